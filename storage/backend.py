@@ -1,0 +1,38 @@
+"""The one plug-in point of storage: a flat object namespace with a conditional write.
+
+Backends know nothing of the layout (blobs, manifests, jobs); `Store` does. Paths are
+'/'-separated relative names such as ``units/<key>.json``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Protocol
+
+
+class StoreError(RuntimeError):
+    """An I/O failure talking to a store, carrying its cause."""
+
+
+class Backend(Protocol):
+    uri: str
+
+    def read(self, path: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+
+    def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
+        """Write atomically. With if_absent, return False (and write nothing) if it exists."""
+
+    def upload_file(self, path: str, src: Path) -> None:
+        """Write a local file atomically (multipart for large files on S3)."""
+
+    def download_file(self, path: str, dest: Path) -> bool:
+        """Copy the object to dest; False if it does not exist. dest may be partial on error."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def size(self, path: str) -> int | None: ...
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Paths under prefix, in no particular order."""
+
+    def delete(self, path: str) -> None: ...

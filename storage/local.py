@@ -1,0 +1,100 @@
+"""A store in a local directory. Every write goes to a temp file first, then is renamed
+(or hard-linked, for a conditional write) into place, so a reader never sees half a file."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from storage.backend import StoreError
+
+
+class LocalBackend:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser().resolve()
+        self.uri = f"file://{self.root}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create store directory {self.root}: {e}") from e
+
+    def _path(self, path: str) -> Path:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"store path must be relative without '..': {path!r}")
+        return self.root / path
+
+    def _temp_beside(self, dest: Path) -> Path:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        return Path(tmp)
+
+    def _place(self, tmp: Path, dest: Path, if_absent: bool) -> bool:
+        try:
+            if if_absent:
+                try:
+                    os.link(tmp, dest)  # fails if dest exists: the O_EXCL of renames
+                except FileExistsError:
+                    return False
+                return True
+            os.replace(tmp, dest)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            return self._path(path).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
+        dest = self._path(path)
+        if if_absent and dest.exists():
+            return False
+        tmp = self._temp_beside(dest)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return self._place(tmp, dest, if_absent)
+
+    def upload_file(self, path: str, src: Path) -> None:
+        dest = self._path(path)
+        tmp = self._temp_beside(dest)
+        shutil.copyfile(src, tmp)
+        self._place(tmp, dest, if_absent=False)
+
+    def download_file(self, path: str, dest: Path) -> bool:
+        try:
+            shutil.copyfile(self._path(path), dest)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def exists(self, path: str) -> bool:
+        return self._path(path).exists()
+
+    def size(self, path: str) -> int | None:
+        try:
+            return self._path(path).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        start = base if base.is_dir() else base.parent
+        if not start.exists():
+            return
+        for dirpath, _, files in os.walk(start):
+            for name in files:
+                if name.startswith("."):
+                    continue  # temp files of writes in flight
+                rel = Path(dirpath, name).relative_to(self.root).as_posix()
+                if rel.startswith(prefix):
+                    yield rel
+
+    def delete(self, path: str) -> None:
+        self._path(path).unlink(missing_ok=True)

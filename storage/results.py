@@ -1,0 +1,62 @@
+"""The per-job results table: one row per unit, written as Parquet to jobs/<id>/results.parquet."""
+from __future__ import annotations
+
+import io
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.store import Store
+
+RESULTS_SCHEMA = pa.schema(
+    [
+        ("job_id", pa.string()),
+        ("graph", pa.string()),
+        ("target", pa.string()),
+        ("key", pa.string()),
+        ("status", pa.string()),  # compiled | hit | failed | skipped
+        ("error", pa.string()),
+        ("retryable", pa.bool_()),
+        ("fetch_s", pa.float64()),
+        ("load_s", pa.float64()),
+        ("lower_s", pa.float64()),
+        ("verify_s", pa.float64()),
+        ("benchmark_s", pa.float64()),
+        ("upload_s", pa.float64()),
+        ("total_s", pa.float64()),
+        ("artifact_digest", pa.string()),
+        ("artifact_bytes", pa.int64()),
+        ("log_digest", pa.string()),
+        ("max_abs_err", pa.float64()),
+        ("max_rel_err", pa.float64()),
+        ("eager_ms", pa.float64()),
+        ("compiled_ms", pa.float64()),
+        ("speedup", pa.float64()),
+        ("worker", pa.string()),
+    ]
+)
+RESULTS_FILE = "results.parquet"
+
+
+def results_to_parquet(rows: Iterable[dict[str, Any]]) -> bytes:
+    rows = list(rows)
+    names = RESULTS_SCHEMA.names
+    unknown = {k for r in rows for k in r} - set(names)
+    if unknown:
+        raise ValueError(f"results rows have columns not in the schema: {sorted(unknown)}")
+    table = pa.Table.from_pylist([{n: r.get(n) for n in names} for r in rows], schema=RESULTS_SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def write_results(store: Store, job_id: str, rows: Iterable[dict[str, Any]]) -> str:
+    return store.put_job_file(job_id, RESULTS_FILE, results_to_parquet(rows))
+
+
+def read_results(store: Store, job_id: str) -> list[dict[str, Any]] | None:
+    data = store.get_job_file(job_id, RESULTS_FILE)
+    if data is None:
+        return None
+    return pq.read_table(io.BytesIO(data)).to_pylist()

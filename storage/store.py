@@ -1,0 +1,139 @@
+"""The store layout of DESIGN.md on top of any backend.
+
+    blobs/sha256/<aa>/<digest>    content-addressed bytes, checked against their digest on every read
+    units/<key>.json              manifests, published last and only once (conditional write)
+    jobs/<job-id>/…               job spec and results table
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from storage.backend import Backend, StoreError
+
+_CHUNK = 1 << 20
+
+
+class CorruptBlob(StoreError):
+    """A blob whose bytes do not hash to its name: never hand those bytes to anyone."""
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    digest: str
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BlobRef":
+        return cls(str(d["digest"]), int(d["size"]))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def blob_path(digest: str) -> str:
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"not a sha256 hex digest: {digest!r}")
+    return f"blobs/sha256/{digest[:2]}/{digest}"
+
+
+def manifest_path(key: str) -> str:
+    if not key or "/" in key or key.startswith("."):
+        raise ValueError(f"not a unit key: {key!r}")
+    return f"units/{key}.json"
+
+
+class Store:
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    @property
+    def uri(self) -> str:
+        return self.backend.uri
+
+    # blobs -------------------------------------------------------------------------
+    def put_bytes(self, data: bytes) -> BlobRef:
+        ref = BlobRef(hashlib.sha256(data).hexdigest(), len(data))
+        if self.backend.size(blob_path(ref.digest)) != ref.size:
+            self.backend.write(blob_path(ref.digest), data)
+        return ref
+
+    def put_file(self, src: Path) -> BlobRef:
+        src = Path(src)
+        ref = BlobRef(sha256_file(src), src.stat().st_size)
+        if self.backend.size(blob_path(ref.digest)) != ref.size:
+            self.backend.upload_file(blob_path(ref.digest), src)
+        return ref
+
+    def has_blob(self, ref: BlobRef) -> bool:
+        return self.backend.size(blob_path(ref.digest)) == ref.size
+
+    def get_bytes(self, digest: str) -> bytes:
+        data = self.backend.read(blob_path(digest))
+        if data is None:
+            raise StoreError(f"blob {digest} is missing from {self.uri}")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CorruptBlob(f"blob {digest} in {self.uri} does not match its digest; refusing it")
+        return data
+
+    def fetch(self, digest: str, dest: Path) -> Path:
+        """Download a blob to dest, verified; dest appears only if the digest matches."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            if not self.backend.download_file(blob_path(digest), tmp):
+                raise StoreError(f"blob {digest} is missing from {self.uri}")
+            if sha256_file(tmp) != digest:
+                raise CorruptBlob(f"blob {digest} in {self.uri} does not match its digest; refusing it")
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dest
+
+    # manifests ---------------------------------------------------------------------
+    def publish_manifest(self, key: str, manifest: dict[str, Any]) -> bool:
+        """Publish once. Every blob the manifest names must already be in the store.
+
+        Returns False if a manifest for key already exists (another writer won)."""
+        for role, ref in manifest.get("blobs", {}).items():
+            if ref is not None and not self.has_blob(BlobRef.from_dict(ref)):
+                raise StoreError(f"refusing to publish {key}: its {role} blob {ref['digest']} is not in {self.uri}")
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        return self.backend.write(manifest_path(key), data, if_absent=True)
+
+    def get_manifest(self, key: str) -> dict[str, Any] | None:
+        data = self.backend.read(manifest_path(key))
+        return None if data is None else json.loads(data)
+
+    def manifest_keys(self) -> Iterator[str]:
+        for path in self.backend.list("units/"):
+            if path.endswith(".json"):
+                yield path[len("units/") : -len(".json")]
+
+    # jobs --------------------------------------------------------------------------
+    def put_job_file(self, job_id: str, name: str, data: bytes) -> str:
+        path = f"jobs/{job_id}/{name}"
+        self.backend.write(path, data)
+        return path
+
+    def get_job_file(self, job_id: str, name: str) -> bytes | None:
+        return self.backend.read(f"jobs/{job_id}/{name}")
+
+    def job_ids(self) -> list[str]:
+        return sorted({p.split("/")[1] for p in self.backend.list("jobs/") if p.count("/") >= 2})

@@ -1,0 +1,20 @@
+"""The only place that knows which store backends exist."""
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from storage.store import Store
+
+
+def store_from_uri(uri: str) -> Store:
+    """`/path`, `relative/path`, `file:///path` → local directory; `s3://bucket/prefix` → S3."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        from storage.local import LocalBackend
+
+        return Store(LocalBackend(parsed.path if parsed.scheme else uri))
+    if parsed.scheme == "s3":
+        from storage.s3 import S3Backend
+
+        return Store(S3Backend(parsed.netloc, parsed.path))
+    raise ValueError(f"unknown store URI scheme {parsed.scheme!r} in {uri!r}: use a directory path, file://… or s3://bucket/prefix")

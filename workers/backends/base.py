@@ -1,0 +1,41 @@
+"""The plug-in point for lowering targets: one protocol, one file per backend."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from torch.export import ExportedProgram
+
+from workers.unit import Target
+
+
+class LoweringError(Exception):
+    """Lowering, or loading what was lowered, failed in a way the user can act on."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Backend(Protocol):
+    name: str
+    # Whether the artifact keeps weights out of the generated code (issue: weights-agnostic keys).
+    weights_in_code: bool
+
+    def validate(self, target: Target) -> None:
+        """Raise LoweringError if the target's fields make no sense for this backend."""
+
+    def target_components(self, target: Target) -> dict[str, Any]:
+        """What about the target decides the artifact (device class, ISA, flags): goes into the key."""
+
+    def host_problem(self, target: Target) -> str | None:
+        """Why this host cannot build (or run) for the target, or None."""
+
+    def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
+        """Compile ep into a single artifact file under workdir and return its path."""
+
+    def load(self, artifact: Path, target: Target) -> Callable[..., Any]:
+        """A callable taking the program's (args, kwargs), refusing artifacts this host can't run."""
+
+    def describe(self, artifact: Path) -> dict[str, Any]:
+        """Facts about the artifact for the manifest (format, ISA recorded in it, how to load)."""

@@ -1,0 +1,194 @@
+"""The life of one unit, as a plain function of (unit, store) that runs in any process:
+
+    fetch → load → key → (hit? stop) → lower → verify → benchmark → upload → publish
+
+Outcomes are values (`UnitResult`); only bugs escape as exceptions. Nothing is published
+unless the artifact verified, and the manifest is written last, after every blob.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from storage import BlobRef, Store
+from workers.backends import LoweringError, get_backend
+from workers.benchmark import median_ms
+from workers.inputs import input_sets
+from workers.keys import key_components, key_of
+from workers.program import ProgramError, load_program, program_identity
+from workers.unit import Unit, UnitResult
+from workers.unitlog import UnitLog
+from workers.verify import verify
+
+
+class UnitFailed(Exception):
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Phases:
+    """Wall time per phase; remembers which phase was running when something broke."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self.current = "start"
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def run_unit(unit: Unit, store: Store, workdir: Path | None = None) -> UnitResult:
+    log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
+    result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
+    phases = Phases()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir) as tmp:
+        try:
+            with log.capture():  # ends before publishing, so the published log is complete
+                ready = _compile(unit, store, Path(tmp), log, phases, result)
+            if ready is not None:
+                with phases("upload"):
+                    _publish(unit, store, ready, log, result, phases.timings)
+        except (UnitFailed, ProgramError, LoweringError) as e:
+            result.status, result.error = "failed", f"graph {unit.graph} ({unit.target.label}): {e}"
+            result.retryable = getattr(e, "retryable", False)
+            log.note(f"FAILED in {phases.current}: {e}")
+            if e.__cause__ is not None:
+                log.exception(e.__cause__)
+        except Exception as e:  # a library blew up mid-phase: still a value, with the traceback in the log
+            result.status = "failed"
+            result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
+            result.retryable = phases.current in ("fetch", "upload")  # I/O may succeed on retry
+            log.note(f"FAILED in {phases.current}")
+            log.exception(e)
+    result.timings = {**phases.timings, "total": time.perf_counter() - start}
+    if result.status == "failed":
+        try:
+            result.log = store.put_bytes(log.text().encode())
+        except Exception as e:  # the log is for people; losing it must not change the outcome
+            result.error = (result.error or "") + f" (unit log not saved: {e})"
+    return result
+
+
+@dataclass
+class Compiled:
+    artifact: Path
+    components: dict[str, Any]
+    facts: dict[str, Any]
+    checked: list[str]
+
+
+def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, result: UnitResult) -> Compiled | None:
+    if unit.program is None:
+        raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
+    backend = get_backend(unit.target.backend)
+    backend.validate(unit.target)
+
+    with phase("fetch"):
+        program_path = store.fetch(unit.program.digest, tmp / "program.pt2")
+    with phase("load"):
+        ep = load_program(program_path, f"{unit.source}", unit.modules)
+        identity = program_identity(ep, weights_by_value=True)
+        components = key_components(identity, backend.target_components(unit.target), unit.target.options_dict)
+        result.key = key_of(components)
+    log.note(f"key {result.key}")
+
+    manifest = store.get_manifest(result.key)
+    if manifest is not None:
+        log.note("hit: a manifest exists, nothing to compile")
+        _fill_from_manifest(result, manifest)
+        return None
+
+    problem = backend.host_problem(unit.target)
+    if problem:
+        raise UnitFailed(problem, retryable=True)
+
+    with phase("lower"):
+        log.note(f"lowering with {backend.name} options={unit.target.options_dict}")
+        try:
+            artifact = backend.lower(ep, unit.target, tmp)
+        except LoweringError:
+            raise
+        except Exception as e:
+            raise UnitFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
+
+    with phase("verify"):
+        compiled = backend.load(artifact, unit.target)
+        eager = ep.module()
+        try:
+            sets = input_sets(ep, unit.verify.extra_sizes)
+        except ValueError as e:
+            raise UnitFailed(str(e)) from e
+        report = verify(eager, compiled, sets, unit.verify.atol, unit.verify.rtol)
+        log.note(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, max rel {report.max_rel_err:.3g}")
+        result.metrics.update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
+        if not report.ok:
+            raise UnitFailed("verification failed: " + "; ".join(report.problems))
+
+    with phase("benchmark"):
+        eager_ms = median_ms(eager, sets[0], unit.bench.warmup, unit.bench.repeat)
+        compiled_ms = median_ms(compiled, sets[0], unit.bench.warmup, unit.bench.repeat)
+        result.metrics.update(eager_ms=eager_ms, compiled_ms=compiled_ms, speedup=eager_ms / compiled_ms)
+        log.note(f"eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms (median of {unit.bench.repeat})")
+
+    return Compiled(artifact, components, backend.describe(artifact), report.checked)
+
+
+def _publish(unit: Unit, store: Store, ready: Compiled, log: UnitLog, result: UnitResult, timings: dict[str, float]) -> None:
+    result.artifact = store.put_file(ready.artifact)
+    log.note(f"artifact {result.artifact.digest} ({result.artifact.size} bytes); publishing")
+    result.log = store.put_bytes(log.text().encode())  # linked from the manifest
+    manifest = _manifest(unit, result, ready.components, ready.facts, ready.checked, timings)
+    if not store.publish_manifest(result.key, manifest):
+        log.note("another worker published this key first; its manifest stands")
+    result.status = "compiled"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _fill_from_manifest(result: UnitResult, manifest: dict[str, Any]) -> None:
+    result.status = "hit"
+    artifact = manifest["blobs"]["artifact"]
+    result.artifact = BlobRef.from_dict(artifact)
+    result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
+    result.metrics.update(manifest.get("metrics", {}))
+
+
+def _manifest(unit: Unit, result: UnitResult, components: dict[str, Any], artifact_facts: dict[str, Any],
+              checked: list[str], timings: dict[str, float]) -> dict[str, Any]:
+    return {
+        "key": result.key,
+        "key_version": components["key_version"],
+        "components": components,
+        "status": "compiled",
+        "graph": unit.graph,
+        "source": unit.source,
+        "target": unit.target.label,
+        "blobs": {
+            "artifact": result.artifact.to_dict(),
+            "program": unit.program.to_dict(),
+            "log": result.log.to_dict() if result.log else None,
+        },
+        "artifact": artifact_facts,
+        "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": checked},
+        "metrics": dict(result.metrics),
+        "timings": dict(timings),
+        "worker": result.worker,
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }

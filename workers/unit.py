@@ -1,0 +1,89 @@
+"""The typed messages a worker takes and gives back (they cross Ray, so no bare dicts)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from storage import BlobRef
+
+Status = Literal["compiled", "hit", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class Target:
+    backend: str  # registry name, e.g. "aoti-cpu"
+    isa: str | None = None  # CPU ISA the artifact is pinned to (None: the backend's default)
+    options: tuple[tuple[str, Any], ...] = ()  # lowering options (Inductor config overrides), sorted
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}:{self.isa}" if self.isa else self.backend
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclass(frozen=True)
+class VerifyPolicy:
+    atol: float = 1e-4
+    rtol: float = 1e-4
+    extra_sizes: int = 2  # sizes tried per dynamic dimension besides the example's
+
+
+@dataclass(frozen=True)
+class BenchPolicy:
+    warmup: int = 3
+    repeat: int = 20
+
+
+@dataclass(frozen=True)
+class Unit:
+    graph: str  # a name a person recognises (file stem or the job's `name`)
+    source: str  # where the graph came from (path or URI), for messages
+    target: Target
+    program: BlobRef | None  # the .pt2 in the store; None when it could not be ingested
+    ingest_error: str | None = None
+    modules: tuple[str, ...] = ()
+    verify: VerifyPolicy = VerifyPolicy()
+    bench: BenchPolicy = BenchPolicy()
+
+    @property
+    def unit_id(self) -> str:
+        return f"{self.graph}@{self.target.label}"
+
+
+@dataclass
+class UnitResult:
+    graph: str
+    target: str
+    status: Status
+    key: str | None = None
+    error: str | None = None
+    retryable: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+    artifact: BlobRef | None = None
+    log: BlobRef | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    worker: str | None = None
+
+    def to_row(self, job_id: str) -> dict[str, Any]:
+        t = self.timings
+        return {
+            "job_id": job_id,
+            "graph": self.graph,
+            "target": self.target,
+            "key": self.key,
+            "status": self.status,
+            "error": self.error,
+            "retryable": self.retryable,
+            **{f"{p}_s": t.get(p) for p in ("fetch", "load", "lower", "verify", "benchmark", "upload", "total")},
+            "artifact_digest": self.artifact.digest if self.artifact else None,
+            "artifact_bytes": self.artifact.size if self.artifact else None,
+            "log_digest": self.log.digest if self.log else None,
+            **{k: self.metrics.get(k) for k in ("max_abs_err", "max_rel_err", "eager_ms", "compiled_ms", "speedup")},
+            "worker": self.worker,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
