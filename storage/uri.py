@@ -1,6 +1,8 @@
 """The only place that knows which store backends exist."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from urllib.parse import urlparse
 
 from storage.store import Store
@@ -18,3 +20,17 @@ def store_from_uri(uri: str) -> Store:
 
         return Store(S3Backend(parsed.netloc, parsed.path))
     raise ValueError(f"unknown store URI scheme {parsed.scheme!r} in {uri!r}: use a directory path, file://… or s3://bucket/prefix")
+
+
+def download_uri(uri: str, dest: Path) -> None:
+    """Copy a graph named by URI (s3://bucket/key or file://path) to a local file."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        from storage.s3 import S3Backend
+
+        if not S3Backend(parsed.netloc).download_file(parsed.path.lstrip("/"), dest):
+            raise FileNotFoundError(f"{uri} does not exist")
+    elif parsed.scheme == "file":
+        shutil.copyfile(parsed.path, dest)
+    else:
+        raise ValueError(f"cannot read {uri!r}: use a local path, file://… or s3://bucket/key")

@@ -1,0 +1,1 @@
+"""What a user touches: job specs, the CLI, the smoke zoo, reports."""

@@ -1,0 +1,153 @@
+"""`farm`: compile exported programs into a store and read back what the farm made."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from farm.spec import SpecError, load_job, parse_job
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
+zoo_app = typer.Typer(no_args_is_help=True, help="The built-in smoke zoo.")
+app.add_typer(zoo_app, name="zoo")
+
+DEFAULT_STORE = os.environ.get("FARM_STORE", ".farm/store")
+StoreOpt = typer.Option(DEFAULT_STORE, "--store", help="a directory, file://… or s3://bucket/prefix (env FARM_STORE)")
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    from farm.console import console
+
+    console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+def _open_store(uri: str):
+    from storage import StoreError, store_from_uri
+
+    try:
+        return store_from_uri(uri)
+    except (ValueError, StoreError) as e:
+        raise _fail(str(e)) from e
+
+
+def _run_job(job, store_uri: str) -> None:
+    from farm.console import ProgressEvents, console, out, results_table
+    from scheduler.jobs import execute
+    from storage import StoreError
+
+    store = _open_store(store_uri)
+    try:
+        with ProgressEvents() as events:
+            outcome = execute(job, store, events=events)
+    except StoreError as e:
+        raise _fail(str(e)) from e
+    rows = [r.to_row(outcome.job_id) for r in outcome.results]
+    out.print(results_table(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"))
+    out.print(
+        f"{outcome.count('compiled')} compiled, {outcome.count('hit')} hits, {outcome.count('failed')} failed. "
+        f"Artifacts and results are in {store.uri} (results: jobs/{outcome.job_id}/results.parquet)."
+    )
+    key = next((r.key for r in outcome.results if r.status in ("compiled", "hit")), None)
+    if key:
+        out.print(
+            f"Load one: farm fetch {key} model.pt2 --store {store_uri}\n"
+            f"          python -c \"import torch; m = torch._inductor.aoti_load_package('model.pt2'); print(m)\""
+        )
+    if outcome.count("failed"):
+        console.print("[red]some units failed[/red]: read their logs with `farm log KEY_OR_DIGEST`; errors are in the table")
+        raise typer.Exit(1)
+
+
+@app.command()
+def compile(
+    graphs: list[Path] = typer.Argument(..., help=".pt2 files written by torch.export.save"),
+    target: list[str] = typer.Option(["aoti-cpu"], "--target", "-t", help="backend[:isa], e.g. aoti-cpu or aoti-cpu:avx512"),
+    store: str = StoreOpt,
+    module: list[str] = typer.Option([], "--module", "-m", help="module to import before loading (output pytree types)"),
+    atol: float = typer.Option(1e-4, help="verification absolute tolerance"),
+    rtol: float = typer.Option(1e-4, help="verification relative tolerance"),
+) -> None:
+    """Compile graphs for targets in this process and print a results table."""
+    try:
+        job = parse_job(
+            {"name": "compile", "graphs": [str(g) for g in graphs], "targets": target, "modules": module,
+             "verify": {"atol": atol, "rtol": rtol}},
+            "command line", base_dir=Path.cwd(),
+        )
+    except SpecError as e:
+        raise _fail(str(e)) from e
+    _run_job(job, store)
+
+
+@app.command()
+def run(job_file: Path = typer.Argument(..., help="job spec (YAML)"), store: str = StoreOpt) -> None:
+    """Run a job spec in this process."""
+    try:
+        job = load_job(job_file)
+    except SpecError as e:
+        raise _fail(str(e)) from e
+    _run_job(job, store)
+
+
+@app.command()
+def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
+    """Download the artifact of a unit KEY to DEST, verified against its digest."""
+    from farm.console import out
+    from storage import StoreError
+
+    s = _open_store(store)
+    try:
+        manifest = s.get_manifest(key)
+        if manifest is None:
+            raise _fail(f"no manifest for key {key} in {s.uri}; `farm results JOB` lists the keys of a job")
+        ref = manifest["blobs"]["artifact"]
+        s.fetch(ref["digest"], dest)
+    except (StoreError, ValueError) as e:
+        raise _fail(str(e)) from e
+    facts = manifest.get("artifact", {})
+    out.print(f"{dest}: {manifest['graph']} for {manifest['target']} ({ref['size']} bytes, sha256 {ref['digest'][:12]}… verified)")
+    if facts.get("load"):
+        out.print(f"load with {facts['load'].replace('PATH', repr(str(dest)))}")
+
+
+@app.command()
+def results(job_id: str, store: str = StoreOpt) -> None:
+    """Print the results table of a job from the store."""
+    from farm.console import out, results_table
+    from storage.results import read_results
+
+    rows = read_results(_open_store(store), job_id)
+    if rows is None:
+        raise _fail(f"no results for job {job_id} in {store}")
+    out.print(results_table(rows, f"job {job_id}"))
+
+
+@app.command()
+def log(digest_or_key: str, store: str = StoreOpt) -> None:
+    """Print a unit's log, by log digest (results' log_digest) or by unit key."""
+    from storage import StoreError
+
+    s = _open_store(store)
+    try:
+        manifest = s.get_manifest(digest_or_key) if len(digest_or_key) == 64 else None
+        digest = manifest["blobs"]["log"]["digest"] if manifest else digest_or_key
+        typer.echo(s.get_bytes(digest).decode(errors="replace"))
+    except (StoreError, ValueError) as e:
+        raise _fail(str(e)) from e
+
+
+@zoo_app.command("export")
+def zoo_export(dest: Path, model: list[str] = typer.Option([], "--model", help="only these models")) -> None:
+    """Export the smoke zoo's models as .pt2 files into DEST."""
+    from farm.console import out
+    from farm.zoo import export_zoo
+
+    try:
+        paths = export_zoo(dest, model or None)
+    except ValueError as e:
+        raise _fail(str(e)) from e
+    for p in paths:
+        out.print(f"wrote {p}")

@@ -1,0 +1,79 @@
+"""Progress and tables for people. The console writes to a copy of stderr taken at start-up,
+because a unit in flight sends file descriptors 1 and 2 into its own log."""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from workers.unit import Unit, UnitResult
+
+_err = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
+_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+atexit.register(_err.close)
+atexit.register(_out.close)
+console = Console(file=_err, highlight=False)
+out = Console(file=_out, highlight=False, width=160)
+
+
+class ProgressEvents:
+    """A live bar with counts per outcome and the unit in hand."""
+
+    def __init__(self) -> None:
+        self.counts = {"compiled": 0, "hit": 0, "failed": 0, "skipped": 0}
+        self.running: dict[str, float] = {}
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=console, transient=False,
+        )
+        self.task = None
+
+    def __enter__(self) -> "ProgressEvents":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def _counts(self) -> str:
+        c = self.counts
+        return f"running {len(self.running)} · compiled {c['compiled']} · hits {c['hit']} · failed {c['failed']}"
+
+    def planned(self, units: list[Unit]) -> None:
+        self.task = self.progress.add_task("compiling", total=len(units), counts=self._counts())
+
+    def started(self, unit: Unit) -> None:
+        self.running[unit.unit_id] = time.monotonic()
+        self.progress.update(self.task, description=f"compiling {unit.unit_id}", counts=self._counts())
+
+    def finished(self, unit: Unit, result: UnitResult) -> None:
+        self.running.pop(unit.unit_id, None)
+        self.counts[result.status] = self.counts.get(result.status, 0) + 1
+        self.progress.update(self.task, advance=1, description="compiling", counts=self._counts())
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def results_table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col, kw in [("graph", {}), ("target", {}), ("status", {}), ("max abs err", {"justify": "right"}),
+                    ("eager ms", {"justify": "right"}), ("compiled ms", {"justify": "right"}),
+                    ("speedup", {"justify": "right"}), ("time s", {"justify": "right"}), ("key / error", {"overflow": "fold"})]:
+        table.add_column(col, **kw)
+    style = {"compiled": "green", "hit": "cyan", "failed": "red", "skipped": "yellow"}
+    for r in rows:
+        table.add_row(
+            r["graph"], r["target"], f"[{style.get(r['status'], '')}]{r['status']}",
+            _fmt(r.get("max_abs_err"), ".2g"), _fmt(r.get("eager_ms"), ".3f"), _fmt(r.get("compiled_ms"), ".3f"),
+            _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""), _fmt(r.get("total_s"), ".1f"),
+            r.get("error") or (r["key"][:16] + "…" if r.get("key") else ""),
+        )
+    return table

@@ -1,0 +1,113 @@
+"""The job spec: YAML, validated on load, with errors that name the file and the field."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class SpecError(ValueError):
+    """The job spec is wrong; the message names the file and field and says what to do."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GraphSpec(_Strict):
+    path: str = Field(description="a .pt2 written by torch.export.save: a path (relative to the job file) or s3:// URI")
+    name: str | None = None
+    modules: list[str] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, v: Any) -> Any:
+        return {"path": v} if isinstance(v, str) else v
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path.rstrip("/")).name.removesuffix(".pt2")
+
+
+class TargetSpec(_Strict):
+    backend: str = Field(description="lowering backend, e.g. aoti-cpu")
+    isa: str | None = None
+    options: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, v: Any) -> Any:
+        """'aoti-cpu' or 'aoti-cpu:avx512'."""
+        if isinstance(v, str):
+            backend, _, isa = v.partition(":")
+            return {"backend": backend, "isa": isa or None}
+        return v
+
+
+class VerifySpec(_Strict):
+    atol: float = Field(1e-4, ge=0)
+    rtol: float = Field(1e-4, ge=0)
+    extra_sizes: int = Field(2, ge=0, le=8, description="sizes to try per dynamic dimension besides the example")
+
+
+class BenchmarkSpec(_Strict):
+    warmup: int = Field(3, ge=0)
+    repeat: int = Field(20, ge=1)
+
+
+class JobSpec(_Strict):
+    name: str = "job"
+    graphs: list[GraphSpec] = Field(min_length=1)
+    targets: list[TargetSpec] = Field(min_length=1)
+    modules: list[str] = Field([], description="modules to import before loading any program (e.g. pytree registrations)")
+    verify: VerifySpec = VerifySpec()
+    benchmark: BenchmarkSpec = BenchmarkSpec()
+    base_dir: str = Field(".", exclude=True, description="where relative graph paths start; set from the job file")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_path_segment(cls, v: str) -> str:
+        if not v or "/" in v or v.startswith("."):
+            raise ValueError("must be a plain name without '/' (it becomes part of the job id)")
+        return v
+
+    def resolve(self, graph: GraphSpec) -> str:
+        """The graph's source as a URI or absolute path."""
+        if "://" in graph.path or Path(graph.path).is_absolute():
+            return graph.path
+        return str((Path(self.base_dir) / graph.path).resolve())
+
+
+def _format(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: the job spec is invalid:"]
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    lines.append("  see README.md 'Job spec' for every field")
+    return "\n".join(lines)
+
+
+def parse_job(data: Any, source: str = "<job>", base_dir: str | Path = ".") -> JobSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a job spec is a YAML mapping with `graphs` and `targets`, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate({**data, "base_dir": str(base_dir)})
+    except ValidationError as e:
+        raise SpecError(_format(e, source)) from e
+
+
+def load_job(path: str | Path) -> JobSpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError as e:
+        raise SpecError(f"{path}: no such job file") from e
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not valid YAML: {e}") from e
+    return parse_job(data, str(path), path.parent.resolve())
+
+
+def job_to_yaml(job: JobSpec) -> str:
+    return yaml.safe_dump(job.model_dump(mode="json", exclude={"base_dir"}), sort_keys=False)

@@ -1,0 +1,70 @@
+"""Job → units. Every graph is ingested into the store once (so any worker can fetch it by
+digest); a graph that cannot be read still becomes units, which fail with the reason, so
+one bad graph never stops a job."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from farm.spec import JobSpec, TargetSpec
+from storage import BlobRef, Store, StoreError, download_uri
+from workers.unit import BenchPolicy, Target, Unit, VerifyPolicy
+
+
+def ingest(store: Store, source: str) -> BlobRef:
+    """Put a graph file (local path or URI) into the store; raise with a message for people."""
+    if "://" in source and not source.startswith("file://"):
+        with tempfile.TemporaryDirectory(prefix="farm-ingest-") as tmp:
+            local = Path(tmp) / "graph.pt2"
+            try:
+                download_uri(source, local)
+            except (FileNotFoundError, StoreError, ValueError) as e:
+                raise FileNotFoundError(f"cannot fetch {source}: {e}") from e
+            return store.put_file(local)
+    path = Path(source.removeprefix("file://"))
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; check the path (relative paths start at the job file)")
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a directory; name the .pt2 file written by torch.export.save")
+    return store.put_file(path)
+
+
+def _target(t: TargetSpec) -> Target:
+    return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())))
+
+
+def plan(job: JobSpec, store: Store) -> list[Unit]:
+    verify = VerifyPolicy(job.verify.atol, job.verify.rtol, job.verify.extra_sizes)
+    bench = BenchPolicy(job.benchmark.warmup, job.benchmark.repeat)
+    units: list[Unit] = []
+    seen: set[str] = set()
+    for graph in job.graphs:
+        source = job.resolve(graph)
+        ref, error = None, None
+        try:
+            ref = ingest(store, source)
+        except (OSError, StoreError) as e:
+            error = str(e)
+        label = _unique(graph.label, seen)
+        for t in job.targets:
+            unit = Unit(
+                graph=label,
+                source=source,
+                target=_target(t),
+                program=ref,
+                ingest_error=error,
+                modules=tuple(job.modules) + tuple(graph.modules),
+                verify=verify,
+                bench=bench,
+            )
+            units.append(unit)
+    return units
+
+
+def _unique(label: str, seen: set[str]) -> str:
+    """Two graphs with one file name (a/model.pt2, b/model.pt2) must stay apart in results."""
+    candidate, n = label, 2
+    while candidate in seen:
+        candidate, n = f"{label}#{n}", n + 1
+    seen.add(candidate)
+    return candidate
