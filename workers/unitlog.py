@@ -30,17 +30,24 @@ class UnitLog:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Send file descriptors 1 and 2 (so subprocesses too) and torch's INFO log here."""
-        # torch's own log handler writes to stderr, which is captured below
-        inductor = logging.getLogger("torch._inductor")
-        old_level = inductor.level
+        """Send file descriptors 1 and 2 (so subprocesses and C++ too), Inductor's INFO log
+        and Python warnings here."""
         with tempfile.TemporaryFile(mode="w+b") as sink:
             sys.stdout.flush()
             sys.stderr.flush()
             saved = os.dup(1), os.dup(2)
             os.dup2(sink.fileno(), 1)
             os.dup2(sink.fileno(), 2)
-            inductor.setLevel(logging.INFO)
+            # Our own handler on fd 2: sys.stderr may not be fd 2 (pytest, notebooks).
+            stream = os.fdopen(os.dup(2), "w", buffering=1)
+            handler = logging.StreamHandler(stream)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            loggers = [logging.getLogger("torch._inductor"), logging.getLogger("py.warnings")]
+            saved_state = [(lg.level, lg.propagate, lg.handlers[:]) for lg in loggers]
+            for lg in loggers:
+                lg.handlers = [handler]  # torch's own handler would print each line twice
+                lg.setLevel(logging.INFO)
+                lg.propagate = False
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("always")
@@ -48,7 +55,11 @@ class UnitLog:
                     yield
             finally:
                 logging.captureWarnings(False)
-                inductor.setLevel(old_level)
+                for lg, (level, propagate, handlers) in zip(loggers, saved_state):
+                    lg.handlers = handlers
+                    lg.setLevel(level)
+                    lg.propagate = propagate
+                stream.close()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.dup2(saved[0], 1)

@@ -1,0 +1,55 @@
+"""Shared fixtures: one SeaweedFS server and one exported zoo per session."""
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+
+from storage import store_from_uri
+from tests.seaweed import S3Server, start_seaweed
+
+_bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> S3Server:
+    server = start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())  # boto3's standard chain is how the farm finds S3
+    yield server
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3_uri(s3_server) -> str:
+    bucket = f"farm-test-{next(_bucket_ids)}"
+    s3_server.create_bucket(bucket)
+    return f"s3://{bucket}/store"
+
+
+@pytest.fixture
+def local_uri(tmp_path) -> str:
+    return str(tmp_path / "store")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return store_from_uri(str(tmp_path / "store"))
+    return store_from_uri(request.getfixturevalue("s3_uri"))
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tmp_path_factory) -> Path:
+    from farm.zoo import export_zoo
+
+    d = tmp_path_factory.mktemp("zoo")
+    export_zoo(d)
+    return d

@@ -1,0 +1,87 @@
+"""One conformance suite for every store backend: the local directory and a real S3 server."""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+
+from storage import CorruptBlob, StoreError
+from storage.results import read_results, write_results
+from storage.store import blob_path
+
+
+def test_blob_round_trip_is_content_addressed(store):
+    ref = store.put_bytes(b"compiled bytes")
+    assert ref.digest == hashlib.sha256(b"compiled bytes").hexdigest()
+    assert store.get_bytes(ref.digest) == b"compiled bytes"
+    assert store.put_bytes(b"compiled bytes") == ref  # idempotent
+    assert store.has_blob(ref)
+
+
+def test_large_file_goes_through_the_transfer_manager(store, tmp_path):
+    src = tmp_path / "big.bin"
+    src.write_bytes(bytes(range(256)) * (300 * 1024))  # 75 MiB: multipart on S3
+    ref = store.put_file(src)
+    dest = store.fetch(ref.digest, tmp_path / "out" / "big.bin")
+    assert dest.read_bytes() == src.read_bytes()
+
+
+def test_corrupt_blob_is_refused_on_every_read(store, tmp_path):
+    ref = store.put_bytes(b"good bytes")
+    store.backend.write(blob_path(ref.digest), b"evil bytes")  # someone tampered with the store
+    with pytest.raises(CorruptBlob):
+        store.get_bytes(ref.digest)
+    dest = tmp_path / "x.bin"
+    with pytest.raises(CorruptBlob):
+        store.fetch(ref.digest, dest)
+    assert not dest.exists()  # nothing half-verified is left behind
+
+
+def test_missing_blob_is_an_error_not_empty_bytes(store):
+    with pytest.raises(StoreError, match="missing"):
+        store.get_bytes("0" * 64)
+
+
+def test_manifest_is_published_once(store):
+    ref = store.put_bytes(b"artifact")
+    first = {"key": "k1", "blobs": {"artifact": ref.to_dict()}, "n": 1}
+    assert store.publish_manifest("k1", first)
+    assert not store.publish_manifest("k1", {**first, "n": 2})
+    assert store.get_manifest("k1")["n"] == 1
+    assert "k1" in set(store.manifest_keys())
+    assert store.get_manifest("nope") is None
+
+
+def test_manifest_pointing_at_missing_blob_is_never_published(store):
+    missing = {"digest": "f" * 64, "size": 3}
+    with pytest.raises(StoreError, match="not in"):
+        store.publish_manifest("k2", {"blobs": {"artifact": missing}})
+    assert store.get_manifest("k2") is None
+
+
+def test_concurrent_publishers_one_winner(store):
+    ref = store.put_bytes(b"artifact")
+    wins = []
+
+    def publish(i: int) -> None:
+        if store.publish_manifest("race", {"blobs": {"artifact": ref.to_dict()}, "writer": i}):
+            wins.append(i)
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    assert store.get_manifest("race")["writer"] == wins[0]
+
+
+def test_results_table_round_trip(store):
+    rows = [{"job_id": "j", "graph": "mlp", "target": "aoti-cpu", "status": "compiled", "total_s": 1.5, "artifact_bytes": 10}]
+    write_results(store, "j", rows)
+    back = read_results(store, "j")
+    assert back[0]["graph"] == "mlp" and back[0]["total_s"] == 1.5 and back[0]["error"] is None
+    assert "j" in store.job_ids()
+    with pytest.raises(ValueError, match="not in the schema"):
+        write_results(store, "j2", [{"bogus": 1}])
