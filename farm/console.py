@@ -17,7 +17,7 @@ _err = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
 _out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
 atexit.register(_err.close)
 atexit.register(_out.close)
-console = Console(file=_err, highlight=False)
+console = Console(file=_err, highlight=False, soft_wrap=True)
 out = Console(file=_out, highlight=False, width=160)
 
 

@@ -38,7 +38,7 @@ class Phases:
 
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
-        self.current = "start"
+        self.current = "setup"
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:

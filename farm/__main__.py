@@ -1,0 +1,3 @@
+from farm.cli import app
+
+app(prog_name="farm")
