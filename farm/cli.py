@@ -33,21 +33,22 @@ def _open_store(uri: str):
         raise _fail(str(e)) from e
 
 
-def _run_job(job, store_uri: str) -> None:
+def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> None:
     from farm.console import ProgressEvents, console, out, results_table
-    from scheduler.jobs import execute
+    from scheduler.jobs import execute, run_in_process
     from storage import StoreError
 
     store = _open_store(store_uri)
     try:
         with ProgressEvents() as events:
-            outcome = execute(job, store, events=events)
+            outcome = execute(job, store, runner or run_in_process, events=events, job_id=job_id)
     except StoreError as e:
         raise _fail(str(e)) from e
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
     out.print(results_table(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"))
     out.print(
-        f"{outcome.count('compiled')} compiled, {outcome.count('hit')} hits, {outcome.count('failed')} failed. "
+        f"{outcome.count('compiled')} compiled, {outcome.count('hit')} hits, {outcome.count('failed')} failed, "
+        f"{outcome.retries} retries. "
         f"Artifacts and results are in {store.uri} (results: jobs/{outcome.job_id}/results.parquet)."
     )
     key = next((r.key for r in outcome.results if r.status in ("compiled", "hit")), None)
@@ -90,6 +91,48 @@ def run(job_file: Path = typer.Argument(..., help="job spec (YAML)"), store: str
     except SpecError as e:
         raise _fail(str(e)) from e
     _run_job(job, store)
+
+
+@app.command()
+def submit(
+    job_file: Path = typer.Argument(..., help="job spec (YAML)"),
+    store: str = StoreOpt,
+    address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)"),
+    workers: Optional[int] = typer.Option(None, help="workers per device class (default: the job's limits, else every slot)"),
+    timeout: Optional[float] = typer.Option(None, help="seconds before a unit is failed as timeout (default: the job's)"),
+    retries: Optional[int] = typer.Option(None, help="re-queues of a unit whose worker died (default: the job's)"),
+) -> None:
+    """Run a job on Ray: long-lived workers per device class, live progress, results in the store."""
+    from farm.console import console
+    from scheduler.jobs import new_job_id
+    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+
+    try:
+        job = load_job(job_file)
+    except SpecError as e:
+        raise _fail(str(e)) from e
+    limits = job.limits
+    config = PoolConfig(workers=workers or limits.workers, timeout_s=timeout or limits.timeout_s,
+                        retries=limits.retries if retries is None else retries)
+    job_id = new_job_id(job.name)
+    with ray_session(address) as dashboard:
+        if dashboard:
+            console.print(f"Ray dashboard: {dashboard} (token: `ray get-auth-token`)")
+        console.print(f"job {job_id}: `farm status {job_id} --store {store}` from any machine")
+        _run_job(job, store, RayRunner(config, job_id=job_id), job_id=job_id)
+
+
+@app.command()
+def status(job_id: str, store: str = StoreOpt) -> None:
+    """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""
+    from farm.console import out
+    from scheduler.jobs import read_status
+
+    doc = read_status(_open_store(store), job_id)
+    if doc is None:
+        raise _fail(f"no job {job_id} in {store}")
+    counts = " · ".join(f"{k} {doc[k]}" for k in ("total", "queued", "running", "compiled", "hit", "failed", "retries"))
+    out.print(f"{job_id}: {doc['state']} · {counts} · updated {doc.get('updated_at')}")
 
 
 @app.command()

@@ -27,6 +27,8 @@ class ProgressEvents:
     def __init__(self) -> None:
         self.counts = {"compiled": 0, "hit": 0, "failed": 0, "skipped": 0}
         self.running: dict[str, float] = {}
+        self.total = 0
+        self.retries = 0
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -43,14 +45,22 @@ class ProgressEvents:
 
     def _counts(self) -> str:
         c = self.counts
-        return f"running {len(self.running)} · compiled {c['compiled']} · hits {c['hit']} · failed {c['failed']}"
+        queued = self.total - len(self.running) - sum(c.values())
+        retries = f" · retries {self.retries}" if self.retries else ""
+        return f"queued {queued} · running {len(self.running)} · compiled {c['compiled']} · hits {c['hit']} · failed {c['failed']}{retries}"
 
     def planned(self, units: list[Unit]) -> None:
+        self.total = len(units)
         self.task = self.progress.add_task("compiling", total=len(units), counts=self._counts())
 
     def started(self, unit: Unit) -> None:
         self.running[unit.unit_id] = time.monotonic()
-        self.progress.update(self.task, description=f"compiling {unit.unit_id}", counts=self._counts())
+        self.progress.update(self.task, description="compiling", counts=self._counts())
+
+    def retried(self, unit: Unit) -> None:
+        self.running.pop(unit.unit_id, None)
+        self.retries += 1
+        self.progress.update(self.task, counts=self._counts())
 
     def finished(self, unit: Unit, result: UnitResult) -> None:
         self.running.pop(unit.unit_id, None)

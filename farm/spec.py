@@ -57,6 +57,12 @@ class BenchmarkSpec(_Strict):
     repeat: int = Field(20, ge=1)
 
 
+class LimitsSpec(_Strict):
+    timeout_s: float = Field(1800, gt=0, description="a unit still compiling after this is failed with reason timeout")
+    retries: int = Field(2, ge=0, description="times a unit is re-queued when its worker dies")
+    workers: int | None = Field(None, ge=1, description="workers per device class (default: every slot offered)")
+
+
 class JobSpec(_Strict):
     name: str = "job"
     graphs: list[GraphSpec] = Field(min_length=1)
@@ -64,6 +70,7 @@ class JobSpec(_Strict):
     modules: list[str] = Field([], description="modules to import before loading any program (e.g. pytree registrations)")
     verify: VerifySpec = VerifySpec()
     benchmark: BenchmarkSpec = BenchmarkSpec()
+    limits: LimitsSpec = LimitsSpec()
     base_dir: str = Field(".", exclude=True, description="where relative graph paths start; set from the job file")
 
     @field_validator("name")

@@ -1,13 +1,16 @@
 """Running a whole job: plan it, run its units with some runner, keep the results.
 
-Runners are callables that take units and report each result once through `on_result`;
-the in-process runner lives here, the Ray one beside it."""
+Runners take units and report each result exactly once; the in-process runner lives here,
+the Ray one in `ray_pool`. While a job runs, `jobs/<id>/status.json` in the store says how
+far it got, so `farm status JOB` works from any machine."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import secrets
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from farm.spec import JobSpec, job_to_yaml
 from scheduler.plan import plan
@@ -16,16 +19,20 @@ from storage.results import write_results
 from workers.pipeline import run_unit
 from workers.unit import Unit, UnitResult
 
+STATUS_FILE = "status.json"
+
 
 class Events(Protocol):
     def planned(self, units: list[Unit]) -> None: ...
     def started(self, unit: Unit) -> None: ...
+    def retried(self, unit: Unit) -> None: ...
     def finished(self, unit: Unit, result: UnitResult) -> None: ...
 
 
 class NoEvents:
     def planned(self, units: list[Unit]) -> None: ...
     def started(self, unit: Unit) -> None: ...
+    def retried(self, unit: Unit) -> None: ...
     def finished(self, unit: Unit, result: UnitResult) -> None: ...
 
 
@@ -40,6 +47,55 @@ def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[
         yield unit, result
 
 
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class StatusFile:
+    """Counts the job's progress and writes it to the store (at most once a second)."""
+
+    def __init__(self, store: Store, job_id: str, inner: Events):
+        self.store, self.job_id, self.inner = store, job_id, inner
+        self.doc: dict[str, Any] = {"job_id": job_id, "state": "planning", "started_at": _now(), "total": 0,
+                                    "queued": 0, "running": 0, "compiled": 0, "hit": 0, "failed": 0, "skipped": 0,
+                                    "retries": 0}
+        self._written = 0.0
+        self.write(force=True)
+
+    def write(self, force: bool = False) -> None:
+        if force or time.monotonic() - self._written > 1.0:
+            self.doc["updated_at"] = _now()
+            self.store.put_job_file(self.job_id, STATUS_FILE, json.dumps(self.doc, indent=1).encode())
+            self._written = time.monotonic()
+
+    def planned(self, units: list[Unit]) -> None:
+        self.doc.update(state="running", total=len(units), queued=len(units))
+        self.write(force=True)
+        self.inner.planned(units)
+
+    def started(self, unit: Unit) -> None:
+        self.doc["queued"] -= 1
+        self.doc["running"] += 1
+        self.write()
+        self.inner.started(unit)
+
+    def retried(self, unit: Unit) -> None:
+        self.doc["running"] -= 1
+        self.doc["queued"] += 1
+        self.doc["retries"] += 1
+        self.write()
+        self.inner.retried(unit)
+
+    def finished(self, unit: Unit, result: UnitResult) -> None:
+        if self.doc["running"] > 0:
+            self.doc["running"] -= 1
+        else:  # failed before it ever started (could not be placed)
+            self.doc["queued"] -= 1
+        self.doc[result.status] += 1
+        self.write()
+        self.inner.finished(unit, result)
+
+
 @dataclass
 class JobOutcome:
     job_id: str
@@ -50,19 +106,32 @@ class JobOutcome:
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
 
+    @property
+    def retries(self) -> int:
+        return sum(r.retries for r in self.results)
+
 
 def new_job_id(name: str) -> str:
     return f"{name}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events: Events = NoEvents()) -> JobOutcome:
-    start = dt.datetime.now(dt.timezone.utc)
-    outcome = JobOutcome(new_job_id(job.name), store.uri)
+def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events: Events = NoEvents(),
+            job_id: str | None = None) -> JobOutcome:
+    start = time.perf_counter()
+    outcome = JobOutcome(job_id or new_job_id(job.name), store.uri)
     store.put_job_file(outcome.job_id, "job.yaml", job_to_yaml(job).encode())
+    status = StatusFile(store, outcome.job_id, events)
     units = plan(job, store)
-    events.planned(units)
-    for _, result in runner(units, store, events):
+    status.planned(units)
+    for _, result in runner(units, store, status):
         outcome.results.append(result)
-    outcome.wall_s = (dt.datetime.now(dt.timezone.utc) - start).total_seconds()
+    outcome.wall_s = time.perf_counter() - start
     write_results(store, outcome.job_id, (r.to_row(outcome.job_id) for r in outcome.results))
+    status.doc.update(state="done", wall_s=round(outcome.wall_s, 3))
+    status.write(force=True)
     return outcome
+
+
+def read_status(store: Store, job_id: str) -> dict[str, Any] | None:
+    data = store.get_job_file(job_id, STATUS_FILE)
+    return None if data is None else json.loads(data)

@@ -34,6 +34,7 @@ RESULTS_SCHEMA = pa.schema(
         ("compiled_ms", pa.float64()),
         ("speedup", pa.float64()),
         ("worker", pa.string()),
+        ("retries", pa.int64()),
     ]
 )
 RESULTS_FILE = "results.parquet"

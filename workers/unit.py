@@ -66,6 +66,7 @@ class UnitResult:
     log: BlobRef | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     worker: str | None = None
+    retries: int = 0  # times the unit was re-queued after its worker died
 
     def to_row(self, job_id: str) -> dict[str, Any]:
         t = self.timings
@@ -83,6 +84,7 @@ class UnitResult:
             "log_digest": self.log.digest if self.log else None,
             **{k: self.metrics.get(k) for k in ("max_abs_err", "max_rel_err", "eager_ms", "compiled_ms", "speedup")},
             "worker": self.worker,
+            "retries": self.retries,
         }
 
     def to_dict(self) -> dict[str, Any]:

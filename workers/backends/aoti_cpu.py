@@ -53,6 +53,17 @@ def _only_vec_isa(name: str) -> Iterator[None]:
         cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
 
 
+def isa_resource(isa: str) -> str:
+    """The Ray custom resource a node offers for each CPU slot that can build this ISA."""
+    return "farm_cpu_" + isa.replace("-", "_")
+
+
+def host_resources(slots: int) -> dict[str, float]:
+    """What this host offers: every ISA it can build and run, `slots` each."""
+    have = host_vec_isas()
+    return {isa_resource(name): float(slots) for name, isa in ISAS.items() if not isa.vec_isa or isa.vec_isa in have}
+
+
 def package_metadata(artifact: Path) -> dict[str, str]:
     return dict(torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(artifact), "model"))
 
@@ -73,6 +84,9 @@ class AotiCpu:
     def target_components(self, target: Target) -> dict[str, Any]:
         name, isa = self._isa(target)
         return {"backend": self.name, "device": "cpu", "isa": name, "march": isa.march, "simdlen": isa.simdlen}
+
+    def placement(self, target: Target) -> dict[str, float]:
+        return {isa_resource(self._isa(target)[0]): 1}
 
     def host_problem(self, target: Target) -> str | None:
         name, isa = self._isa(target)

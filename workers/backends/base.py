@@ -28,6 +28,9 @@ class Backend(Protocol):
     def target_components(self, target: Target) -> dict[str, Any]:
         """What about the target decides the artifact (device class, ISA, flags): goes into the key."""
 
+    def placement(self, target: Target) -> dict[str, float]:
+        """Custom resources a worker must hold to take this target (routes units to matching nodes)."""
+
     def host_problem(self, target: Target) -> str | None:
         """Why this host cannot build (or run) for the target, or None."""
 

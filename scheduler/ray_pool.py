@@ -1,0 +1,234 @@
+"""Running units on Ray: the only module that calls Ray.
+
+A pool of long-lived worker actors per device class (a Ray custom resource such as
+`farm_cpu_avx2`), one per slot, so a worker pays torch's start-up and Inductor's
+precompiled header once, not per unit. A worker that dies mid-unit is replaced and its unit
+re-queued up to `retries` times; a unit past its timeout has its worker killed and replaced
+and ends as failed with reason `timeout`. Every unit is reported exactly once.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from storage import Store, store_from_uri
+from workers.backends import LoweringError, get_backend
+from workers.pipeline import run_unit
+from workers.unit import Unit, UnitResult
+
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    workers: int | None = None  # per device class; None: every slot the cluster offers
+    timeout_s: float = 1800.0
+    retries: int = 2
+
+
+class CompileWorker:
+    """One per slot; runs units one at a time for as long as the job lasts."""
+
+    def __init__(self, store_uri: str):
+        self.store = store_from_uri(store_uri)
+        self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
+        import torch._inductor  # noqa: F401  (pay the import once, before the first unit)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, unit: Unit) -> UnitResult:
+        result = run_unit(unit, self.store)
+        result.worker = self.where
+        return result
+
+
+_RemoteWorker = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=2)(CompileWorker)
+
+
+@dataclass
+class _Slot:
+    resource: str
+    index: int
+    generation: int = 0
+    actor: object = None
+    ready: object = None  # future of the actor's first call: set while the actor starts
+    unit: Unit | None = None
+    retries: int = 0
+    future: object = None
+    started: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"farm-worker/{self.resource}/{self.index}.{self.generation}"
+
+
+@dataclass
+class _Pending:
+    unit: Unit
+    retries: int = 0
+
+
+@dataclass
+class RayRunner:
+    config: PoolConfig = field(default_factory=PoolConfig)
+    job_id: str = "job"
+    slots: list[_Slot] = field(default_factory=list)
+
+    def _start(self, slot: _Slot, resource: str) -> None:
+        slot.resource, slot.generation = resource, slot.generation + 1
+        slot.actor = _RemoteWorker.options(
+            name=f"{self.job_id}/{slot.name}", resources={resource: 1}, namespace="farm",
+        ).remote(self._store_uri)
+        slot.ready = slot.actor.pid.remote()
+        slot.unit = slot.future = None
+
+    def _restart(self, slot: _Slot, resource: str | None = None) -> None:
+        ray.kill(slot.actor, no_restart=True)
+        self._start(slot, resource or slot.resource)
+
+    def busy_workers(self) -> dict[str, int]:
+        """Unit id → PID of the worker compiling it (for operators and fault-injection tests)."""
+        busy = [s for s in list(self.slots) if s.ready is None and s.unit is not None]
+        return dict(zip([s.unit.unit_id for s in busy], ray.get([s.actor.pid.remote() for s in busy])))
+
+    def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        self._store_uri = store.uri
+        queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
+        for unit in units:
+            resource = _route(unit)
+            if resource is None:  # cannot be placed anywhere: fail it here, quickly, with the reason
+                events.started(unit)
+                result = run_unit(unit, store)
+                events.finished(unit, result)
+                yield unit, result
+            else:
+                queues[resource].append(_Pending(unit))
+
+        self._offered = ray.cluster_resources()
+        for resource in [r for r in queues if int(self._offered.get(r, 0)) == 0]:
+            for p in queues.pop(resource):
+                result = _failed(p.unit, f"no Ray node offers resource {resource!r}; start one with "
+                                         f"ray start --resources '{{\"{resource}\": SLOTS}}'", retryable=True)
+                events.finished(p.unit, result)
+                yield p.unit, result
+        budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))
+        for i in range(budget):
+            resource = self._most_starved(queues)
+            if resource is None:
+                break
+            slot = _Slot(resource, i)
+            self._start(slot, resource)
+            self.slots.append(slot)
+        try:
+            yield from self._drive(queues, events)
+        finally:
+            for slot in self.slots:
+                ray.kill(slot.actor, no_restart=True)
+
+    def _most_starved(self, queues) -> str | None:
+        """The device class with queued units that has the fewest workers (below what it is offered)."""
+        workers = collections.Counter(s.resource for s in self.slots)
+        wanting = [r for r, q in queues.items() if q and workers[r] < min(int(self._offered.get(r, 0)), len(q) + workers[r])]
+        return min(wanting, key=lambda r: (workers[r] / len(queues[r]), r), default=None)
+
+    def _drive(self, queues, events) -> Iterator[tuple[Unit, UnitResult]]:
+        while any(queues.values()) or any(s.future is not None for s in self.slots):
+            for slot in self.slots:
+                if slot.ready is not None or slot.future is not None:
+                    continue
+                if not queues.get(slot.resource):  # nothing left for its class: move it where work waits
+                    target = self._most_starved(queues)
+                    if target is not None and target != slot.resource:
+                        self._restart(slot, target)
+                    continue
+                p = queues[slot.resource].popleft()
+                slot.unit, slot.retries, slot.started = p.unit, p.retries, time.monotonic()
+                slot.future = slot.actor.run.options(name=f"compile {p.unit.unit_id}").remote(p.unit)
+                events.started(p.unit)
+            waiting = [s.ready for s in self.slots if s.ready is not None] + [s.future for s in self.slots if s.future is not None]
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=POLL_S) if waiting else ([], [])
+            for slot in self.slots:
+                if slot.ready is not None and slot.ready in ready:
+                    try:
+                        ray.get(slot.ready)
+                        slot.ready = None
+                    except (ActorDiedError, ActorUnavailableError, RayActorError):
+                        self._restart(slot)  # died while starting: try a fresh one
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.future is None:
+                    continue
+                unit, retries = slot.unit, slot.retries
+                if slot.future in ready:
+                    try:
+                        result = ray.get(slot.future)
+                        slot.unit = slot.future = None
+                    except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
+                        self._restart(slot)
+                        if retries < self.config.retries:
+                            queues[slot.resource].appendleft(_Pending(unit, retries + 1))
+                            events.retried(unit)
+                            continue
+                        result = _failed(unit, f"its worker died {retries + 1} times (last: {type(e).__name__}); "
+                                               f"see the Ray dashboard's logs for the node", retryable=True)
+                    except RayTaskError as e:  # a bug in the pipeline, not in the unit
+                        slot.unit = slot.future = None
+                        result = _failed(unit, f"worker raised {e.cause!r}")
+                elif now - slot.started > self.config.timeout_s:
+                    self._restart(slot)
+                    result = _failed(unit, f"timeout: still compiling after {self.config.timeout_s:g}s; its worker was replaced")
+                else:
+                    continue
+                result.retries = retries
+                events.finished(unit, result)
+                yield unit, result
+
+
+def _route(unit: Unit) -> str | None:
+    if unit.program is None:
+        return None
+    try:
+        backend = get_backend(unit.target.backend)
+        backend.validate(unit.target)
+    except LoweringError:
+        return None
+    (resource,) = backend.placement(unit.target)
+    return resource
+
+
+def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:
+    return UnitResult(unit.graph, unit.target.label, "failed", error=f"graph {unit.graph} ({unit.target.label}): {message}",
+                      retryable=retryable)
+
+
+@contextmanager
+def ray_session(address: str | None, slots: int | None = None) -> Iterator[str | None]:
+    """Join a cluster (address, or RAY_ADDRESS; token auth from RAY_AUTH_TOKEN or ~/.ray/auth_token)
+    or start an embedded local Ray on loopback. Yields the dashboard URL, if any."""
+    if ray.is_initialized():
+        yield None
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ctx = ray.init(address=address, namespace="farm", log_to_driver=False)
+    else:
+        from workers.backends.aoti_cpu import host_resources
+
+        slots = slots or os.cpu_count() or 1
+        ctx = ray.init(num_cpus=slots, resources=host_resources(slots), namespace="farm", include_dashboard=True,
+                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        url = ctx.dashboard_url
+        yield f"http://{url}" if url and not url.startswith("http") else url
+    finally:
+        if not address:
+            ray.shutdown()
