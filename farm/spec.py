@@ -35,6 +35,7 @@ class TargetSpec(_Strict):
     backend: str = Field(description="lowering backend, e.g. aoti-cpu")
     isa: str | None = None
     options: dict[str, Any] = {}
+    timeout_s: float | None = Field(None, gt=0, description="overrides limits.timeout_s for this target's units")
 
     @model_validator(mode="before")
     @classmethod

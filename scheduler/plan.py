@@ -56,6 +56,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
                 modules=tuple(job.modules) + tuple(graph.modules),
                 verify=verify,
                 bench=bench,
+                timeout_s=t.timeout_s,
             )
             units.append(unit)
     return units

@@ -183,9 +183,9 @@ class RayRunner:
                     except RayTaskError as e:  # a bug in the pipeline, not in the unit
                         slot.unit = slot.future = None
                         result = _failed(unit, f"worker raised {e.cause!r}")
-                elif now - slot.started > self.config.timeout_s:
+                elif now - slot.started > (limit := unit.timeout_s or self.config.timeout_s):
                     self._restart(slot)
-                    result = _failed(unit, f"timeout: still compiling after {self.config.timeout_s:g}s; its worker was replaced")
+                    result = _failed(unit, f"timeout: still compiling after {limit:g}s; its worker was replaced")
                 else:
                     continue
                 result.retries = retries

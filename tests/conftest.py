@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 from pathlib import Path
 
 import pytest
+
+# Ray reads its auth settings when it is first imported, so the test cluster's token is set
+# before anything imports ray; the test process then joins the cluster like any driver would.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 from storage import store_from_uri
 from tests.seaweed import S3Server, start_seaweed
@@ -53,3 +59,19 @@ def zoo_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("zoo")
     export_zoo(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """Head (2 CPUs, builds avx2) and a second node (1 CPU, builds only scalar x86-64),
+    with the test process joined to it as the driver."""
+    import ray
+
+    from tests.raycluster import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("inductor-cache"),
+                            head_resources={"farm_cpu_avx2": 2}, node_resources={"farm_cpu_x86_64": 1})
+    ray.init(address=cluster.address, namespace="farm", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.stop()

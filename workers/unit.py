@@ -47,6 +47,7 @@ class Unit:
     modules: tuple[str, ...] = ()
     verify: VerifyPolicy = VerifyPolicy()
     bench: BenchPolicy = BenchPolicy()
+    timeout_s: float | None = None  # None: the job's limit
 
     @property
     def unit_id(self) -> str:

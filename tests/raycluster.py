@@ -1,0 +1,59 @@
+"""A real two-node Ray cluster on this machine for tests: `ray start` twice, on loopback
+addresses (127.0.0.2 head, 127.0.0.3 second node), token auth on, different custom resources."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+
+HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
+
+
+def _free_port(ip: str) -> int:
+    with closing(socket.socket()) as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    address: str
+    env: dict[str, str]
+    head_resources: dict[str, float]
+    node_resources: dict[str, float]
+
+    def stop(self) -> None:
+        subprocess.run([_ray(), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+
+
+def _ray() -> str:
+    return str(Path(sys.executable).parent / "ray")
+
+
+def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict) -> RayCluster:
+    port = _free_port(HEAD_IP)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
+        # a fresh Inductor cache: compiles in these tests really compile
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    common = ["--disable-usage-stats", "--include-dashboard=false"]
+    head = [_ray(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
+            f"--resources={json.dumps(head_resources)}", *common]
+    node = [_ray(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
+            f"--resources={json.dumps(node_resources)}", "--disable-usage-stats"]
+    for cmd in (head, node):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        if proc.returncode != 0:
+            subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+            raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources)

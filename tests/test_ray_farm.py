@@ -1,0 +1,115 @@
+"""The farm on a real two-node Ray cluster: routing by device class, a worker killed
+mid-compile, a unit past its timeout, and `farm submit` from the command line."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from farm.spec import parse_job
+from scheduler.jobs import execute, read_status
+from scheduler.ray_pool import PoolConfig, RayRunner
+from storage import store_from_uri
+from storage.results import read_results
+
+pytestmark = pytest.mark.slow
+
+
+def _node_offering(resource: str) -> str:
+    (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+    return node[:8]
+
+
+def test_units_run_only_on_the_node_that_offers_their_isa(ray_cluster, zoo_dir, tmp_path):
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")],
+                     "targets": ["aoti-cpu:avx2", "aoti-cpu:x86-64"]})
+    outcome = execute(job, store_from_uri(str(tmp_path)), RayRunner(PoolConfig(), job_id="routing"))
+    assert len(outcome.results) == 4
+    for r in outcome.results:
+        assert r.status == "compiled", r.error
+        resource = "farm_cpu_avx2" if r.target.endswith("avx2") else "farm_cpu_x86_64"
+        assert f"node-{_node_offering(resource)}" in r.worker, (r.target, r.worker)
+
+
+def test_a_killed_worker_is_replaced_and_its_unit_retried(ray_cluster, zoo_dir, tmp_path):
+    job = parse_job({"graphs": [str(zoo_dir / "encoder_block.pt2"), str(zoo_dir / "gpt.pt2")],
+                     "targets": ["aoti-cpu:avx2"]})
+    runner = RayRunner(PoolConfig(retries=2), job_id="killed")
+    store = store_from_uri(str(tmp_path))
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(outcome=execute(job, store, runner)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    busy = {}
+    while not busy and time.monotonic() < deadline:
+        time.sleep(0.2)
+        busy = runner.busy_workers() if runner.slots else {}
+    assert busy, "no unit started within 120s"
+    victim_unit, pid = next(iter(busy.items()))
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+    thread.join(timeout=600)
+    outcome = box["outcome"]
+    ids = [f"{r.graph}@{r.target}" for r in outcome.results]
+    assert sorted(ids) == sorted(["encoder_block@aoti-cpu:avx2", "gpt@aoti-cpu:avx2"])  # each exactly once
+    assert all(r.status == "compiled" for r in outcome.results), [r.error for r in outcome.results]
+    assert outcome.retries >= 1
+    retried = next(r for r in outcome.results if f"{r.graph}@{r.target}" == victim_unit)
+    assert retried.retries == 1 and f"pid-{pid}" not in retried.worker
+    rows = read_results(store, outcome.job_id)
+    assert sum(r["retries"] for r in rows) >= 1
+
+
+def test_a_unit_past_its_timeout_fails_fast_and_the_rest_compile(ray_cluster, zoo_dir, tmp_path):
+    job = parse_job({
+        "graphs": [str(zoo_dir / "gpt.pt2"), str(zoo_dir / "mlp.pt2")],
+        "targets": [{"backend": "aoti-cpu", "isa": "avx2", "timeout_s": 2,
+                     "options": {"max_autotune": True}},  # a compile that really takes longer than 2 s
+                    "aoti-cpu:x86-64"],
+    })
+    runner = RayRunner(PoolConfig(), job_id="timeout")
+    finished_at = {}
+    start = time.monotonic()
+
+    class Clock:
+        def planned(self, units): ...
+        def started(self, unit): finished_at.setdefault(("start", unit.unit_id), time.monotonic())
+        def retried(self, unit): ...
+        def finished(self, unit, result): finished_at[unit.unit_id] = time.monotonic()
+
+    outcome = execute(job, store_from_uri(str(tmp_path)), runner, events=Clock())
+    by_id = {f"{r.graph}@{r.target}": r for r in outcome.results}
+    for uid in ("gpt@aoti-cpu:avx2", "mlp@aoti-cpu:avx2"):
+        r = by_id[uid]
+        assert r.status == "failed" and r.error and "timeout" in r.error, (uid, r.error)
+        ran = finished_at[uid] - finished_at[("start", uid)]
+        assert 2 <= ran <= 8, ran  # ended within a few seconds of its limit
+    for uid in ("gpt@aoti-cpu:x86-64", "mlp@aoti-cpu:x86-64"):
+        assert by_id[uid].status == "compiled", by_id[uid].error
+    avx2_slots = [s for s in runner.slots if s.resource == "farm_cpu_avx2"]
+    assert avx2_slots and all(s.generation >= 2 for s in avx2_slots)  # replaced after each timeout
+    assert time.monotonic() - start < 300
+
+
+def test_farm_submit_status_and_results_from_the_command_line(ray_cluster, zoo_dir, tmp_path):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(f"name: cli\ngraphs: [{zoo_dir / 'mlp.pt2'}]\ntargets: [aoti-cpu:x86-64]\n")
+    store = str(tmp_path / "store")
+    env = {**os.environ}
+    proc = subprocess.run([sys.executable, "-m", "farm", "submit", str(job_file), "--store", store,
+                           "--address", ray_cluster.address], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 compiled, 0 hits, 0 failed, 0 retries" in proc.stdout
+    (job_id,) = store_from_uri(store).job_ids()
+    assert read_status(store_from_uri(store), job_id)["state"] == "done"
+    status = subprocess.run([sys.executable, "-m", "farm", "status", job_id, "--store", store],
+                            capture_output=True, text=True, timeout=120)
+    assert "done" in status.stdout and "compiled 1" in status.stdout
+    results = subprocess.run([sys.executable, "-m", "farm", "results", job_id, "--store", store],
+                             capture_output=True, text=True, timeout=120)
+    assert "mlp" in results.stdout and "compiled" in results.stdout
