@@ -194,3 +194,4 @@ def zoo_export(dest: Path, model: list[str] = typer.Option([], "--model", help="
         raise _fail(str(e)) from e
     for p in paths:
         out.print(f"wrote {p}")
+    out.print(f"wrote {dest / 'job.yaml'} (farm submit {dest / 'job.yaml'})")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import yaml
 import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
@@ -110,6 +111,7 @@ def export_model(name: str) -> torch.export.ExportedProgram:
 
 
 def export_zoo(dest: Path, names: list[str] | None = None) -> list[Path]:
+    """Write each model's .pt2 and a job.yaml that compiles them all for aoti-cpu."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     unknown = set(names or []) - set(ZOO)
@@ -122,4 +124,6 @@ def export_zoo(dest: Path, names: list[str] | None = None) -> list[Path]:
         torch.export.save(export_model(name), str(tmp))
         tmp.replace(path)  # never leave half a .pt2 where a job may pick it up
         paths.append(path)
+    job = {"name": "zoo", "graphs": [p.name for p in paths], "targets": ["aoti-cpu"]}
+    (dest / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     return paths

@@ -1,0 +1,79 @@
+"""Fan-out efficiency: the zoo compiled serially in one process vs. through the farm on W Ray
+workers, in one run. Both sides are cold the same way: a fresh store and a fresh Inductor
+cache each (the precompiled header in /tmp is shared by both), and both pay one torch start-up
+per process (the serial process's, and each worker actor's). Ray's own start is not counted:
+a farm's cluster is already up.
+
+    .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64]
+
+Prints serial_time / (W × farm_time); the goal is ≥ 0.85 for W=2 and ≥ 8 units.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERIAL = """
+import sys
+from farm.spec import parse_job
+from scheduler.jobs import execute
+from storage import store_from_uri
+job = parse_job({"name": "serial", "graphs": sys.argv[2:], "targets": sys.argv[1].split(",")})
+out = execute(job, store_from_uri(STORE))
+bad = [r.error for r in out.results if r.status != "compiled"]
+assert not bad, bad
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--isa", action="append", default=None)
+    args = ap.parse_args()
+    isas = args.isa or ["avx2", "x86-64"]
+    targets = [f"aoti-cpu:{i}" for i in isas]
+    root = Path(tempfile.mkdtemp(prefix="farm-bench-"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from farm.zoo import export_zoo
+
+    graphs = [str(p) for p in export_zoo(root / "zoo")]
+    units = len(graphs) * len(targets)
+
+    # serial: one fresh process, compiling every unit in turn
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache-serial")}
+    code = SERIAL.replace("STORE", repr(str(root / "store-serial")))
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
+                   cwd=Path(__file__).resolve().parents[1])
+    serial_s = time.perf_counter() - t0
+
+    # farm: W long-lived workers on an embedded Ray (its start-up not counted)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-farm")  # inherited by the workers
+    from farm.spec import parse_job
+    from scheduler.jobs import execute
+    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+    from storage import store_from_uri
+
+    job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})
+    with ray_session(None, slots=args.workers):
+        t0 = time.perf_counter()
+        outcome = execute(job, store_from_uri(str(root / "store-farm")), RayRunner(PoolConfig(workers=args.workers)))
+        farm_s = time.perf_counter() - t0
+    bad = [r.error for r in outcome.results if r.status != "compiled"]
+    assert not bad, bad
+
+    efficiency = serial_s / (args.workers * farm_s)
+    print(f"compared: {units} units ({len(graphs)} zoo models x {', '.join(targets)}), both cold "
+          f"(fresh store, fresh Inductor cache, one torch start-up per process)")
+    print(f"serial (1 process):      {serial_s:7.1f} s")
+    print(f"farm ({args.workers} Ray workers):   {farm_s:7.1f} s")
+    print(f"efficiency serial/(W x farm) = {efficiency:.2f}  (goal >= 0.85)")
+
+
+if __name__ == "__main__":
+    main()
