@@ -8,7 +8,7 @@ half an object; the manifest's conditional write is `If-None-Match: *`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import boto3
 import botocore.exceptions
@@ -19,6 +19,8 @@ from storage.backend import StoreError
 
 # Multipart above 64 MiB, 4 parts in flight: artifacts with packaged weights get large.
 TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
+T = TypeVar("T")
+_RAISE = object()  # sentinel: let the error through as StoreError
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _CONDITION_FAILED = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
@@ -49,52 +51,41 @@ class S3Backend:
             hint = " (is the endpoint in AWS_ENDPOINT_URL reachable?)"
         return StoreError(f"{what} {self.uri}/{path} failed: {e}{hint}")
 
-    def read(self, path: str) -> bytes | None:
+    _ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, boto3.exceptions.S3UploadFailedError)
+
+    def _call(self, what: str, path: str, fn: Callable[[], T], *, missing: Any = _RAISE,
+              conflict: Any = _RAISE) -> T:
+        """Run one boto3 call; 'not found' and 'condition failed' become values, the rest StoreError."""
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(path))["Body"].read()
-        except botocore.exceptions.ClientError as e:
-            if _code(e) in _NOT_FOUND:
-                return None
-            raise self._fail("read", path, e) from e
-        except botocore.exceptions.BotoCoreError as e:
-            raise self._fail("read", path, e) from e
+            return fn()
+        except self._ERRORS as e:
+            code = _code(e) if isinstance(e, botocore.exceptions.ClientError) else ""
+            if code in _NOT_FOUND and missing is not _RAISE:
+                return missing
+            if code in _CONDITION_FAILED and conflict is not _RAISE:
+                return conflict
+            raise self._fail(what, path, e) from e
+
+    def read(self, path: str) -> bytes | None:
+        return self._call("read", path, lambda: self._client.get_object(
+            Bucket=self.bucket, Key=self._key(path))["Body"].read(), missing=None)
 
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data, **extra)
-            return True
-        except botocore.exceptions.ClientError as e:
-            if if_absent and _code(e) in _CONDITION_FAILED:
-                return False
-            raise self._fail("write", path, e) from e
-        except botocore.exceptions.BotoCoreError as e:
-            raise self._fail("write", path, e) from e
+        return self._call("write", path, lambda: self._client.put_object(
+            Bucket=self.bucket, Key=self._key(path), Body=data, **extra) and True,
+            conflict=False if if_absent else _RAISE)
 
     def upload_file(self, path: str, src: Path) -> None:
-        try:
-            self._client.upload_file(str(src), self.bucket, self._key(path), Config=TRANSFER)
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, boto3.exceptions.S3UploadFailedError) as e:
-            raise self._fail("upload", path, e) from e
+        self._call("upload", path, lambda: self._client.upload_file(str(src), self.bucket, self._key(path), Config=TRANSFER))
 
     def download_file(self, path: str, dest: Path) -> bool:
-        try:
-            self._client.download_file(self.bucket, self._key(path), str(dest), Config=TRANSFER)
-            return True
-        except botocore.exceptions.ClientError as e:
-            if _code(e) in _NOT_FOUND:
-                return False
-            raise self._fail("download", path, e) from e
-        except botocore.exceptions.BotoCoreError as e:
-            raise self._fail("download", path, e) from e
+        return self._call("download", path, lambda: self._client.download_file(
+            self.bucket, self._key(path), str(dest), Config=TRANSFER) or True, missing=False)
 
     def size(self, path: str) -> int | None:
-        try:
-            return int(self._client.head_object(Bucket=self.bucket, Key=self._key(path))["ContentLength"])
-        except botocore.exceptions.ClientError as e:
-            if _code(e) in _NOT_FOUND:
-                return None
-            raise self._fail("stat", path, e) from e
+        return self._call("stat", path, lambda: int(self._client.head_object(
+            Bucket=self.bucket, Key=self._key(path))["ContentLength"]), missing=None)
 
     def exists(self, path: str) -> bool:
         return self.size(path) is not None
@@ -108,11 +99,8 @@ class S3Backend:
             for page in pages:
                 for obj in page.get("Contents", []):
                     yield obj["Key"][strip:]
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+        except self._ERRORS as e:
             raise self._fail("list", prefix, e) from e
 
     def delete(self, path: str) -> None:
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=self._key(path))
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-            raise self._fail("delete", path, e) from e
+        self._call("delete", path, lambda: self._client.delete_object(Bucket=self.bucket, Key=self._key(path)))
