@@ -34,7 +34,7 @@ def _open_store(uri: str):
 
 
 def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> None:
-    from farm.console import ProgressEvents, console, out, results_table
+    from farm.console import ProgressEvents, console, failure_logs, out, results_table
     from scheduler.jobs import execute, run_in_process
     from storage import StoreError
 
@@ -58,7 +58,9 @@ def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> Non
             f"          python -c \"import torch; m = torch._inductor.aoti_load_package('model.pt2'); print(m)\""
         )
     if outcome.count("failed"):
-        console.print("[red]some units failed[/red]: read their logs with `farm log KEY_OR_DIGEST`; errors are in the table")
+        console.print("[red]some units failed[/red]; their errors are in the table, their logs:")
+        for line in failure_logs(rows, store_uri):
+            console.print(line)
         raise typer.Exit(1)
 
 
@@ -159,13 +161,15 @@ def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
 @app.command()
 def results(job_id: str, store: str = StoreOpt) -> None:
     """Print the results table of a job from the store."""
-    from farm.console import out, results_table
+    from farm.console import failure_logs, out, results_table
     from storage.results import read_results
 
     rows = read_results(_open_store(store), job_id)
     if rows is None:
         raise _fail(f"no results for job {job_id} in {store}")
     out.print(results_table(rows, f"job {job_id}"))
+    for line in failure_logs(rows, store):
+        out.print(line)
 
 
 @app.command()

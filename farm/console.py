@@ -87,3 +87,9 @@ def results_table(rows: list[dict], title: str) -> Table:
             r.get("error") or (r["key"][:16] + "…" if r.get("key") else ""),
         )
     return table
+
+
+def failure_logs(rows: list[dict], store_arg: str) -> list[str]:
+    """One line per failed unit telling how to read its log."""
+    return [f"  {r['graph']} ({r['target']}): farm log {r['log_digest']} --store {store_arg}"
+            for r in rows if r["status"] == "failed" and r.get("log_digest")]
