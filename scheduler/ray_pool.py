@@ -135,9 +135,10 @@ class RayRunner:
                 ray.kill(slot.actor, no_restart=True)
 
     def _most_starved(self, queues) -> str | None:
-        """The device class with queued units that has the fewest workers (below what it is offered)."""
+        """The device class with the fewest workers per queued unit, among those with fewer workers
+        than both their queued units and the slots the cluster offers for them."""
         workers = collections.Counter(s.resource for s in self.slots)
-        wanting = [r for r, q in queues.items() if q and workers[r] < min(int(self._offered.get(r, 0)), len(q) + workers[r])]
+        wanting = [r for r, q in queues.items() if workers[r] < min(int(self._offered.get(r, 0)), len(q))]
         return min(wanting, key=lambda r: (workers[r] / len(queues[r]), r), default=None)
 
     def _drive(self, queues, events) -> Iterator[tuple[Unit, UnitResult]]:
