@@ -202,8 +202,7 @@ def _route(unit: Unit) -> str | None:
         backend.validate(unit.target)
     except LoweringError:
         return None
-    (resource,) = backend.placement(unit.target)
-    return resource
+    return next(iter(backend.placement(unit.target)))
 
 
 def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:

@@ -100,9 +100,8 @@ def test_farm_submit_status_and_results_from_the_command_line(ray_cluster, zoo_d
     job_file = tmp_path / "job.yaml"
     job_file.write_text(f"name: cli\ngraphs: [{zoo_dir / 'mlp.pt2'}]\ntargets: [aoti-cpu:x86-64]\n")
     store = str(tmp_path / "store")
-    env = {**os.environ}
     proc = subprocess.run([sys.executable, "-m", "farm", "submit", str(job_file), "--store", store,
-                           "--address", ray_cluster.address], capture_output=True, text=True, timeout=600, env=env)
+                           "--address", ray_cluster.address], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 compiled, 0 hits, 0 failed, 0 retries" in proc.stdout
     (job_id,) = store_from_uri(store).job_ids()
