@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -62,6 +62,7 @@ class LimitsSpec(_Strict):
     timeout_s: float = Field(1800, gt=0, description="a unit still compiling after this is failed with reason timeout")
     retries: int = Field(2, ge=0, description="times a unit is re-queued when its worker dies")
     workers: int | None = Field(None, ge=1, description="workers per device class (default: every slot offered)")
+    lease_s: float = Field(60, gt=0, description="a compile whose worker shows no life for this long is taken over")
 
 
 class JobSpec(_Strict):
@@ -72,6 +73,9 @@ class JobSpec(_Strict):
     verify: VerifySpec = VerifySpec()
     benchmark: BenchmarkSpec = BenchmarkSpec()
     limits: LimitsSpec = LimitsSpec()
+    weights: Literal["values", "shapes"] = Field(
+        "values", description="values: one artifact per checkpoint; shapes: the key hashes only weight names, shapes "
+                              "and dtypes, and any checkpoint of the same architecture loads into the artifact")
     base_dir: str = Field(".", exclude=True, description="where relative graph paths start; set from the job file")
 
     @field_validator("name")

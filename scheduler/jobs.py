@@ -16,10 +16,12 @@ from farm.spec import JobSpec, job_to_yaml
 from scheduler.plan import plan
 from storage import Store
 from storage.results import write_results
+from storage.stats import JobStats, write_stats
 from workers.pipeline import run_unit
 from workers.unit import Unit, UnitResult
 
 STATUS_FILE = "status.json"
+KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
 
 
 class Events(Protocol):
@@ -99,6 +101,7 @@ class JobOutcome:
     store_uri: str
     results: list[UnitResult] = field(default_factory=list)
     wall_s: float = 0.0
+    stats: JobStats = field(default_factory=JobStats)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -123,10 +126,24 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     for _, result in runner(units, store, status):
         outcome.results.append(result)
     outcome.wall_s = time.perf_counter() - start
-    write_results(store, outcome.job_id, (r.to_row(outcome.job_id) for r in outcome.results))
+    rows = [r.to_row(outcome.job_id) for r in outcome.results]
+    write_results(store, outcome.job_id, rows)
+    outcome.stats = JobStats.from_rows(rows)
+    write_stats(store, outcome.job_id, outcome.stats)
+    store.put_job_file(outcome.job_id, KEYS_FILE, json.dumps(_keys(outcome.results), indent=1).encode())
     status.doc.update(state="done", wall_s=round(outcome.wall_s, 3))
     status.write(force=True)
     return outcome
+
+
+def _keys(results: list[UnitResult]) -> list[dict[str, Any]]:
+    return [{"graph": r.graph, "target": r.target, "status": r.status, "key": r.key, "error": r.error,
+             "components": r.components} for r in results]
+
+
+def read_keys(store: Store, job_id: str) -> list[dict[str, Any]] | None:
+    data = store.get_job_file(job_id, KEYS_FILE)
+    return None if data is None else json.loads(data)
 
 
 def read_status(store: Store, job_id: str) -> dict[str, Any] | None:

@@ -29,8 +29,8 @@ def ingest(store: Store, source: str) -> BlobRef:
     return store.put_file(path)
 
 
-def _target(t: TargetSpec) -> Target:
-    return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())))
+def _target(t: TargetSpec, job: JobSpec) -> Target:
+    return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())), weights=job.weights)
 
 
 def plan(job: JobSpec, store: Store) -> list[Unit]:
@@ -50,13 +50,14 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
             unit = Unit(
                 graph=label,
                 source=source,
-                target=_target(t),
+                target=_target(t, job),
                 program=ref,
                 ingest_error=error,
                 modules=tuple(job.modules) + tuple(graph.modules),
                 verify=verify,
                 bench=bench,
                 timeout_s=t.timeout_s,
+                lease_ttl_s=job.limits.lease_s,
             )
             units.append(unit)
     return units

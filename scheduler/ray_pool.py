@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from storage import Store, store_from_uri
-from workers.backends import LoweringError, get_backend
+from workers.backends import LoweringError, resolve
 from workers.pipeline import run_unit
 from workers.unit import Unit, UnitResult
 
@@ -198,8 +198,7 @@ def _route(unit: Unit) -> str | None:
     if unit.program is None:
         return None
     try:
-        backend = get_backend(unit.target.backend)
-        backend.validate(unit.target)
+        backend = resolve(unit.target)
     except LoweringError:
         return None
     return next(iter(backend.placement(unit.target)))
@@ -221,7 +220,7 @@ def ray_session(address: str | None, slots: int | None = None) -> Iterator[str |
     if address:
         ctx = ray.init(address=address, namespace="farm", log_to_driver=False)
     else:
-        from workers.backends.aoti_cpu import host_resources
+        from workers.backends.cpu_isa import host_resources
 
         slots = slots or os.cpu_count() or 1
         ctx = ray.init(num_cpus=slots, resources=host_resources(slots), namespace="farm", include_dashboard=True,

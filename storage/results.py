@@ -35,6 +35,13 @@ RESULTS_SCHEMA = pa.schema(
         ("speedup", pa.float64()),
         ("worker", pa.string()),
         ("retries", pa.int64()),
+        ("weights_mode", pa.string()),  # values | shapes: what of the weights the key hashed
+        ("compile_s", pa.float64()),  # lower + verify + benchmark, for units that compiled
+        ("saved_s", pa.float64()),  # for hits: the compile time recorded in the manifest
+        ("lease_wait_s", pa.float64()),  # waiting for another worker compiling the same key
+        ("bytes_uploaded", pa.int64()),
+        ("bytes_downloaded", pa.int64()),
+        ("bytes_cached", pa.int64()),  # served by the worker's local disk tier
     ]
 )
 RESULTS_FILE = "results.parquet"

@@ -3,6 +3,9 @@
     blobs/sha256/<aa>/<digest>    content-addressed bytes, checked against their digest on every read
     units/<key>.json              manifests, published last and only once (conditional write)
     jobs/<job-id>/…               job spec and results table
+    leases/<key>/<generation>     who is compiling a key right now (see leases.py)
+
+Every Store counts the blob bytes it moves (`transfer`), so a unit can report what it cost.
 """
 from __future__ import annotations
 
@@ -21,6 +24,21 @@ _CHUNK = 1 << 20
 
 class CorruptBlob(StoreError):
     """A blob whose bytes do not hash to its name: never hand those bytes to anyone."""
+
+
+@dataclass
+class Transfer:
+    """Blob bytes moved: to the store, from it, and served by a local tier instead."""
+
+    uploaded: int = 0
+    downloaded: int = 0
+    cached: int = 0
+
+    def __sub__(self, other: "Transfer") -> "Transfer":
+        return Transfer(self.uploaded - other.uploaded, self.downloaded - other.downloaded, self.cached - other.cached)
+
+    def copy(self) -> "Transfer":
+        return Transfer(self.uploaded, self.downloaded, self.cached)
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ def manifest_path(key: str) -> str:
 class Store:
     def __init__(self, backend: Backend):
         self.backend = backend
+        self.transfer = Transfer()
 
     @property
     def uri(self) -> str:
@@ -69,6 +88,7 @@ class Store:
         ref = BlobRef(hashlib.sha256(data).hexdigest(), len(data))
         if self.backend.size(blob_path(ref.digest)) != ref.size:
             self.backend.write(blob_path(ref.digest), data)
+            self.transfer.uploaded += ref.size
         return ref
 
     def put_file(self, src: Path) -> BlobRef:
@@ -76,6 +96,7 @@ class Store:
         ref = BlobRef(sha256_file(src), src.stat().st_size)
         if self.backend.size(blob_path(ref.digest)) != ref.size:
             self.backend.upload_file(blob_path(ref.digest), src)
+            self.transfer.uploaded += ref.size
         return ref
 
     def has_blob(self, ref: BlobRef) -> bool:
@@ -85,6 +106,7 @@ class Store:
         data = self.backend.read(blob_path(digest))
         if data is None:
             raise StoreError(f"blob {digest} is missing from {self.uri}")
+        self.transfer.downloaded += len(data)
         if hashlib.sha256(data).hexdigest() != digest:
             raise CorruptBlob(f"blob {digest} in {self.uri} does not match its digest; refusing it")
         return data
@@ -99,6 +121,7 @@ class Store:
         try:
             if not self.backend.download_file(blob_path(digest), tmp):
                 raise StoreError(f"blob {digest} is missing from {self.uri}")
+            self.transfer.downloaded += tmp.stat().st_size
             if sha256_file(tmp) != digest:
                 raise CorruptBlob(f"blob {digest} in {self.uri} does not match its digest; refusing it")
             os.replace(tmp, dest)

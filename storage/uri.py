@@ -6,10 +6,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from storage.store import Store
+from storage.tiered import CacheConfig, LocalBlobCache, TieredStore
 
 
-def store_from_uri(uri: str) -> Store:
-    """`/path`, `relative/path`, `file:///path` → local directory; `s3://bucket/prefix` → S3."""
+def store_from_uri(uri: str, cache: CacheConfig | None = None) -> Store:
+    """`/path`, `relative/path`, `file:///path` → local directory; `s3://bucket/prefix` → S3.
+
+    With a cache config, a remote store gets a local disk tier for blobs (a local store
+    needs none: its blobs are already on disk)."""
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         from storage.local import LocalBackend
@@ -18,7 +22,8 @@ def store_from_uri(uri: str) -> Store:
     if parsed.scheme == "s3":
         from storage.s3 import S3Backend
 
-        return Store(S3Backend(parsed.netloc, parsed.path))
+        backend = S3Backend(parsed.netloc, parsed.path)
+        return TieredStore(backend, LocalBlobCache(cache)) if cache else Store(backend)
     raise ValueError(f"unknown store URI scheme {parsed.scheme!r} in {uri!r}: use a directory path, file://… or s3://bucket/prefix")
 
 

@@ -7,7 +7,7 @@ from farm.spec import parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from workers.backends import LoweringError, get_backend
-from workers.backends import aoti_cpu
+from workers.backends import cpu_isa
 from workers.unit import Target
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_each_isa_is_its_own_key_and_package(two_isas):
 def test_loading_on_a_host_without_the_isa_is_refused(two_isas, tmp_path, monkeypatch):
     store, results = two_isas
     path = store.fetch(results["aoti-cpu:avx2"].artifact.digest, tmp_path / "a.pt2")
-    monkeypatch.setattr(aoti_cpu, "host_vec_isas", lambda: set())  # an old host: no AVX2
+    monkeypatch.setattr(cpu_isa, "host_vec_isas", lambda: set())  # an old host: no AVX2
     with pytest.raises(LoweringError, match="needs AVX2, which this host lacks"):
         get_backend("aoti-cpu").load(path, Target("aoti-cpu", "avx2"))
 

@@ -16,19 +16,19 @@ from typing import Any
 import torch
 
 # Bump whenever the inputs to the hash (or their meaning) change.
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: weights mode in the program identity; compiler name and version apart
 
 
 @functools.cache
 def _compiler_version(cxx: str) -> str:
     path = shutil.which(cxx)
     if not path:
-        return f"{cxx}: not found"
+        return "not found"
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        return f"{cxx}: {e}"
-    return out.splitlines()[0].strip() if out else cxx
+        return f"unknown ({e})"
+    return out.splitlines()[0].strip() if out else "unknown"
 
 
 @functools.cache
@@ -47,7 +47,8 @@ def toolchain() -> dict[str, Any]:
         "torch_git": torch.version.git_version,
         "cuda": torch.version.cuda,
         "triton": triton_version,
-        "cxx": _compiler_version(cxx),
+        "cxx": cxx,
+        "cxx_version": _compiler_version(cxx),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "platform": sys.platform,
@@ -67,3 +68,22 @@ def key_components(program: dict[str, str], target: dict[str, Any], options: dic
 def key_of(components: dict[str, Any]) -> str:
     canonical = json.dumps(components, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def flatten(components: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"target": {"isa": "avx2"}} → {"target.isa": "avx2"}: the leaves that can differ."""
+    flat: dict[str, Any] = {}
+    for name, value in components.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def diff_components(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every leaf where two keys' components differ, as (path, a's value, b's value); a
+    missing leaf reads as None."""
+    fa, fb = flatten(a), flatten(b)
+    return [(path, fa.get(path), fb.get(path)) for path in sorted(fa.keys() | fb.keys()) if fa.get(path) != fb.get(path)]

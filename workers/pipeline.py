@@ -1,13 +1,19 @@
 """The life of one unit, as a plain function of (unit, store) that runs in any process:
 
-    fetch → load → key → (hit? stop) → lower → verify → benchmark → upload → publish
+    fetch → load → key → (hit? stop) → lease → lower → verify → benchmark → upload → publish
+
+The lease makes concurrent jobs compile each key once: whoever holds it compiles, everyone
+else waits for the manifest (see storage/leases.py).
 
 Outcomes are values (`UnitResult`); only bugs escape as exceptions. Nothing is published
 unless the artifact verified, and the manifest is written last, after every blob.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
+import secrets
 import socket
 import tempfile
 import time
@@ -16,13 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from storage import BlobRef, Store
-from workers.backends import LoweringError, get_backend
+from torch.export import ExportedProgram
+
+from storage import BlobRef, Lease, LeaseInfo, Leases, Store
+from workers.backends import Backend, LoweringError, resolve
 from workers.benchmark import median_ms
 from workers.inputs import input_sets
 from workers.keys import key_components, key_of
-from workers.program import ProgramError, load_program, program_identity
-from workers.unit import Unit, UnitResult
+from workers.program import ProgramError, load_program, program_identity, weights_digest
+from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
 from workers.verify import verify
 
@@ -55,10 +63,11 @@ def run_unit(unit: Unit, store: Store, workdir: Path | None = None) -> UnitResul
     result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
     phases = Phases()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir) as tmp:
+    moved = store.transfer.copy()
+    with tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir) as tmp, contextlib.ExitStack() as held:
         try:
             with log.capture():  # ends before publishing, so the published log is complete
-                ready = _compile(unit, store, Path(tmp), log, phases, result)
+                ready = _compile(unit, store, Path(tmp), log, phases, result, held)
             if ready is not None:
                 with phases("upload"):
                     _publish(unit, store, ready, log, result, phases.timings)
@@ -71,7 +80,7 @@ def run_unit(unit: Unit, store: Store, workdir: Path | None = None) -> UnitResul
         except Exception as e:  # a library blew up mid-phase: still a value, with the traceback in the log
             result.status = "failed"
             result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
-            result.retryable = phases.current in ("fetch", "upload")  # I/O may succeed on retry
+            result.retryable = phases.current in ("fetch", "upload", "lease_wait")  # I/O may succeed on retry
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
     result.timings = {**phases.timings, "total": time.perf_counter() - start}
@@ -80,6 +89,7 @@ def run_unit(unit: Unit, store: Store, workdir: Path | None = None) -> UnitResul
             result.log = store.put_bytes(log.text().encode())
         except Exception as e:  # the log is for people; losing it must not change the outcome
             result.error = (result.error or "") + f" (unit log not saved: {e})"
+    result.transfer = store.transfer - moved
     return result
 
 
@@ -89,32 +99,49 @@ class Compiled:
     components: dict[str, Any]
     facts: dict[str, Any]
     checked: list[str]
+    built_with: str  # digest of the weight values the artifact was built and verified with
 
 
-def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, result: UnitResult) -> Compiled | None:
+@dataclass
+class Loaded:
+    ep: ExportedProgram
+    backend: Backend
+    built_with: str
+
+
+def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, result: UnitResult,
+             held: contextlib.ExitStack) -> Compiled | None:
     if unit.program is None:
         raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
-    backend = get_backend(unit.target.backend)
-    backend.validate(unit.target)
+    backend = resolve(unit.target)
 
     with phase("fetch"):
         program_path = store.fetch(unit.program.digest, tmp / "program.pt2")
     with phase("load"):
         ep = load_program(program_path, f"{unit.source}", unit.modules)
-        identity = program_identity(ep, weights_by_value=True)
-        components = key_components(identity, backend.target_components(unit.target), unit.target.options_dict)
-        result.key = key_of(components)
-    log.note(f"key {result.key}")
+        identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
+        built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
+        result.components = key_components(identity, backend.target_components(unit.target), unit.target.options_dict)
+        result.key = key_of(result.components)
+    log.note(f"key {result.key} (weights: {unit.target.weights})")
+    loaded = Loaded(ep, backend, built_with)
 
     manifest = store.get_manifest(result.key)
     if manifest is not None:
         log.note("hit: a manifest exists, nothing to compile")
-        _fill_from_manifest(result, manifest)
+        _hit(unit, store, manifest, loaded, tmp, log, phase, result)
         return None
 
     problem = backend.host_problem(unit.target)
     if problem:
         raise UnitFailed(problem, retryable=True)
+
+    claim = _claim(unit, store, result.key, log, phase)
+    if not isinstance(claim, Lease):
+        log.note("hit: another worker compiled this key while we waited")
+        _hit(unit, store, claim, loaded, tmp, log, phase, result)
+        return None
+    held.enter_context(claim)  # renewed while we compile and publish, released after
 
     with phase("lower"):
         log.note(f"lowering with {backend.name} options={unit.target.options_dict}")
@@ -126,32 +153,76 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
             raise UnitFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
 
     with phase("verify"):
-        compiled = backend.load(artifact, unit.target)
-        eager = ep.module()
-        try:
-            sets = input_sets(ep, unit.verify.extra_sizes)
-        except ValueError as e:
-            raise UnitFailed(str(e)) from e
-        report = verify(eager, compiled, sets, unit.verify.atol, unit.verify.rtol)
-        log.note(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, max rel {report.max_rel_err:.3g}")
-        result.metrics.update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
+        compiled = backend.load(artifact, unit.target, ep)
+        report, sets = _verify(unit, ep, compiled, log, result)
         if not report.ok:
             raise UnitFailed("verification failed: " + "; ".join(report.problems))
 
     with phase("benchmark"):
-        eager_ms = median_ms(eager, sets[0], unit.bench.warmup, unit.bench.repeat)
+        eager_ms = median_ms(ep.module(), sets[0], unit.bench.warmup, unit.bench.repeat)
         compiled_ms = median_ms(compiled, sets[0], unit.bench.warmup, unit.bench.repeat)
         result.metrics.update(eager_ms=eager_ms, compiled_ms=compiled_ms, speedup=eager_ms / compiled_ms)
         log.note(f"eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms (median of {unit.bench.repeat})")
 
-    return Compiled(artifact, components, backend.describe(artifact), report.checked)
+    return Compiled(artifact, result.components, backend.describe(artifact, unit.target), report.checked, built_with)
+
+
+def _verify(unit: Unit, ep: ExportedProgram, compiled: Any, log: UnitLog, result: UnitResult):
+    try:
+        sets = input_sets(ep, unit.verify.extra_sizes)
+    except ValueError as e:
+        raise UnitFailed(str(e)) from e
+    report = verify(ep.module(), compiled, sets, unit.verify.atol, unit.verify.rtol)
+    log.note(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, max rel {report.max_rel_err:.3g}")
+    result.metrics.update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
+    return report, sets
+
+
+def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> Lease | dict[str, Any]:
+    """The lease on key (we compile), or the manifest another worker published while we waited."""
+    leases = Leases(store.backend, f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}", unit.lease_ttl_s)
+    holders: list[str] = []
+
+    def waiting(info: LeaseInfo) -> None:
+        holders.append(info.holder)
+        log.note(f"waiting: {info.holder} holds the lease on this key (generation {info.generation}); "
+                 f"it is taken over if it shows no life for {unit.lease_ttl_s:g}s")
+
+    with phase("lease_wait"):
+        claim = leases.claim(key, lambda: store.get_manifest(key), on_wait=waiting)
+    if isinstance(claim, Lease) and holders:
+        log.note(f"took over the lease from {holders[-1]} (generation {claim.info.generation})")
+    return claim
+
+
+def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp: Path, log: UnitLog, phase: Phases,
+         result: UnitResult) -> None:
+    """A manifest exists. With `weights: shapes` and another checkpoint's weights, show that the
+    artifact runs with ours and matches our program run eagerly before calling it a hit."""
+    result.status = "hit"
+    result.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
+    result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
+    result.metrics.update(manifest.get("metrics", {}))
+    timings = manifest.get("timings", {})
+    result.saved_s = manifest.get("compile_s", sum(timings.get(p, 0.0) for p in COMPILE_PHASES))
+    built_with = manifest.get("weights", {}).get("built_with")
+    if unit.target.weights != "shapes" or built_with == loaded.built_with:
+        return
+    log.note(f"the artifact was built with weights {built_with}; checking it with this checkpoint's ({loaded.built_with})")
+    with phase("verify"):
+        artifact = store.fetch(result.artifact.digest, tmp / "artifact")
+        report, _ = _verify(unit, loaded.ep, loaded.backend.load(artifact, unit.target, loaded.ep), log, result)
+    if not report.ok:
+        raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: "
+                         + "; ".join(report.problems) + ". Report it: the key should have told them apart")
+    result.metrics.update(weights_swapped=1.0)
 
 
 def _publish(unit: Unit, store: Store, ready: Compiled, log: UnitLog, result: UnitResult, timings: dict[str, float]) -> None:
     result.artifact = store.put_file(ready.artifact)
     log.note(f"artifact {result.artifact.digest} ({result.artifact.size} bytes); publishing")
     result.log = store.put_bytes(log.text().encode())  # linked from the manifest
-    manifest = _manifest(unit, result, ready.components, ready.facts, ready.checked, timings)
+    manifest = _manifest(unit, result, ready, timings)
     if not store.publish_manifest(result.key, manifest):
         log.note("another worker published this key first; its manifest stands")
     result.status = "compiled"
@@ -162,20 +233,11 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
-def _fill_from_manifest(result: UnitResult, manifest: dict[str, Any]) -> None:
-    result.status = "hit"
-    artifact = manifest["blobs"]["artifact"]
-    result.artifact = BlobRef.from_dict(artifact)
-    result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
-    result.metrics.update(manifest.get("metrics", {}))
-
-
-def _manifest(unit: Unit, result: UnitResult, components: dict[str, Any], artifact_facts: dict[str, Any],
-              checked: list[str], timings: dict[str, float]) -> dict[str, Any]:
+def _manifest(unit: Unit, result: UnitResult, ready: Compiled, timings: dict[str, float]) -> dict[str, Any]:
     return {
         "key": result.key,
-        "key_version": components["key_version"],
-        "components": components,
+        "key_version": ready.components["key_version"],
+        "components": ready.components,
         "status": "compiled",
         "graph": unit.graph,
         "source": unit.source,
@@ -185,10 +247,12 @@ def _manifest(unit: Unit, result: UnitResult, components: dict[str, Any], artifa
             "program": unit.program.to_dict(),
             "log": result.log.to_dict() if result.log else None,
         },
-        "artifact": artifact_facts,
-        "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": checked},
+        "artifact": ready.facts,
+        "weights": {"mode": unit.target.weights, "built_with": ready.built_with},
+        "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked},
         "metrics": dict(result.metrics),
         "timings": dict(timings),
+        "compile_s": sum(timings.get(p, 0.0) for p in COMPILE_PHASES),
         "worker": result.worker,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }

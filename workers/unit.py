@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from storage import BlobRef
+from storage import BlobRef, Transfer
 
 Status = Literal["compiled", "hit", "failed", "skipped"]
+WeightsMode = Literal["values", "shapes"]
+COMPILE_PHASES = ("lower", "verify", "benchmark")
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,9 @@ class Target:
     backend: str  # registry name, e.g. "aoti-cpu"
     isa: str | None = None  # CPU ISA the artifact is pinned to (None: the backend's default)
     options: tuple[tuple[str, Any], ...] = ()  # lowering options (Inductor config overrides), sorted
+    # values: the key hashes every weight (an artifact per checkpoint); shapes: only names, shapes
+    # and dtypes, and the artifact keeps weights out of its code so any checkpoint loads into it
+    weights: WeightsMode = "values"
 
     @property
     def label(self) -> str:
@@ -48,6 +53,7 @@ class Unit:
     verify: VerifyPolicy = VerifyPolicy()
     bench: BenchPolicy = BenchPolicy()
     timeout_s: float | None = None  # None: the job's limit
+    lease_ttl_s: float = 60.0  # a compile whose worker shows no life for this long is taken over
 
     @property
     def unit_id(self) -> str:
@@ -68,6 +74,9 @@ class UnitResult:
     metrics: dict[str, float] = field(default_factory=dict)
     worker: str | None = None
     retries: int = 0  # times the unit was re-queued after its worker died
+    components: dict[str, Any] | None = None  # what the key hashed (for `farm explain`)
+    saved_s: float | None = None  # for hits: the compile time the manifest recorded
+    transfer: Transfer = field(default_factory=Transfer)
 
     def to_row(self, job_id: str) -> dict[str, Any]:
         t = self.timings
@@ -86,6 +95,13 @@ class UnitResult:
             **{k: self.metrics.get(k) for k in ("max_abs_err", "max_rel_err", "eager_ms", "compiled_ms", "speedup")},
             "worker": self.worker,
             "retries": self.retries,
+            "weights_mode": (self.components or {}).get("program", {}).get("weights_mode"),
+            "compile_s": sum(t[p] for p in COMPILE_PHASES if p in t) if self.status == "compiled" else None,
+            "saved_s": self.saved_s,
+            "lease_wait_s": t.get("lease_wait"),
+            "bytes_uploaded": self.transfer.uploaded,
+            "bytes_downloaded": self.transfer.downloaded,
+            "bytes_cached": self.transfer.cached,
         }
 
     def to_dict(self) -> dict[str, Any]:

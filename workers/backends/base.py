@@ -19,7 +19,7 @@ class LoweringError(Exception):
 
 class Backend(Protocol):
     name: str
-    # Whether the artifact keeps weights out of the generated code (issue: weights-agnostic keys).
+    # True if the generated code depends on weight values, so `weights: shapes` is impossible.
     weights_in_code: bool
 
     def validate(self, target: Target) -> None:
@@ -37,8 +37,9 @@ class Backend(Protocol):
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         """Compile ep into a single artifact file under workdir and return its path."""
 
-    def load(self, artifact: Path, target: Target) -> Callable[..., Any]:
-        """A callable taking the program's (args, kwargs), refusing artifacts this host can't run."""
+    def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
+        """A callable taking the program's (args, kwargs), refusing artifacts this host can't run.
+        With `weights: shapes`, ep's weights are the ones it runs with."""
 
-    def describe(self, artifact: Path) -> dict[str, Any]:
+    def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         """Facts about the artifact for the manifest (format, ISA recorded in it, how to load)."""

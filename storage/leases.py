@@ -1,0 +1,148 @@
+"""Leases: who is compiling a key right now, so that concurrent jobs compile each key once.
+
+A lease is a series of generations, ``leases/<key>/<generation>.json``, each created with
+the backend's conditional write, so of two workers racing for one generation exactly one
+wins, on S3 as on a local disk. The holder renews its generation by rewriting it with a
+growing beat count. A watcher decides that a holder is gone when the beat has not moved for
+`ttl_s` *by the watcher's own clock* (no clock on another machine is trusted), and then
+takes the next generation. A holder that was taken over may still finish; manifests are
+published with a conditional write, so the worst case is one duplicate compile, never a
+clobbered manifest.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, TypeVar
+
+from storage.backend import Backend
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    key: str
+    generation: int
+    holder: str
+    beat: int
+    acquired_at: str
+
+    @property
+    def state(self) -> tuple[int, int]:
+        """What a watcher compares over time: it changes whenever the holder shows life."""
+        return self.generation, self.beat
+
+
+def _lease_path(key: str, generation: int) -> str:
+    return f"leases/{key}/{generation:010d}.json"
+
+
+class Lease:
+    """A lease this process holds. Use as a context manager: it renews itself every
+    `interval_s` until released."""
+
+    def __init__(self, leases: "Leases", info: LeaseInfo, interval_s: float):
+        self._leases, self.info, self._interval = leases, info, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{info.key[:12]}", daemon=True)
+        self.superseded = False
+
+    def __enter__(self) -> "Lease":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.renew()
+            except Exception:  # a missed beat only risks a takeover; the compile goes on
+                pass
+
+    def renew(self) -> bool:
+        """Show life; False once a later generation exists (someone took the key over)."""
+        current = self._leases.current(self.info.key)
+        if current is not None and current.generation > self.info.generation:
+            self.superseded = True
+            return False
+        self.info = LeaseInfo(**{**asdict(self.info), "beat": self.info.beat + 1})
+        self._leases.backend.write(_lease_path(self.info.key, self.info.generation), _encode(self.info))
+        return True
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._leases.backend.delete(_lease_path(self.info.key, self.info.generation))
+
+
+class Leases:
+    def __init__(self, backend: Backend, holder: str, ttl_s: float = 60.0):
+        self.backend, self.holder, self.ttl_s = backend, holder, ttl_s
+
+    def current(self, key: str) -> LeaseInfo | None:
+        """The newest generation of key's lease, or None if nobody holds it."""
+        for _ in range(3):  # a generation can be released between listing and reading it
+            paths = sorted(self.backend.list(f"leases/{key}/"))
+            if not paths:
+                return None
+            data = self.backend.read(paths[-1])
+            if data is not None:
+                return LeaseInfo(**json.loads(data))
+        return None
+
+    def try_acquire(self, key: str, generation: int) -> Lease | None:
+        """Create this generation of the lease; None if another worker created it first."""
+        info = LeaseInfo(key, generation, self.holder, 0, dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+        if not self.backend.write(_lease_path(key, generation), _encode(info), if_absent=True):
+            return None
+        mine = _lease_path(key, generation)
+        for path in list(self.backend.list(f"leases/{key}/")):
+            if path < mine:  # generations of holders that stopped: gone for good
+                self.backend.delete(path)
+        return Lease(self, info, interval_s=max(self.ttl_s / 4, 0.2))
+
+    def claim(self, key: str, published: Callable[[], T | None], on_wait: Callable[[LeaseInfo], None] = lambda i: None,
+              poll_s: float = 1.0) -> Lease | T:
+        """Either the lease on key (the caller compiles it) or what `published` returns once
+        another worker has published the key (the caller compiles nothing).
+
+        A holder that stops renewing for ttl_s is taken over; a holder that releases without
+        publishing (its compile failed) leaves the key to the next claimant."""
+        seen: LeaseInfo | None = None
+        seen_since = time.monotonic()
+        next_generation = 0
+        while True:
+            done = published()
+            if done is not None:
+                return done
+            current = self.current(key)
+            if current is None:
+                lease = self.try_acquire(key, next_generation)
+            elif seen is not None and current.state == seen.state and time.monotonic() - seen_since > self.ttl_s:
+                lease = self.try_acquire(key, current.generation + 1)  # its holder stopped renewing
+            else:
+                if seen is None or current.state != seen.state:
+                    if seen is None or current.generation != seen.generation:
+                        on_wait(current)
+                    seen, seen_since = current, time.monotonic()
+                next_generation = current.generation + 1
+                time.sleep(min(poll_s, self.ttl_s / 4))
+                continue
+            if lease is None:  # lost the race for that generation: watch the winner
+                continue
+            done = published()  # the last holder may have published just before we got here
+            if done is not None:
+                lease.release()
+                return done
+            return lease
+
+
+def _encode(info: LeaseInfo) -> bytes:
+    return json.dumps(asdict(info)).encode()

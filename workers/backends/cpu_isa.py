@@ -1,0 +1,93 @@
+"""Pinning Inductor's CPU code to an x86 ISA, shared by every CPU backend.
+
+Inductor defaults to `-march=native` and to the widest vector ISA of the build host; we pin
+both (`cpp.march`, `cpp.simdlen`) and also narrow Inductor's list of vector ISAs to the one
+named, because on a host with AMX `simdlen=512` alone would pick AMX over plain AVX-512.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from torch._inductor import cpu_vec_isa
+
+from workers.backends.base import LoweringError
+from workers.unit import Target
+
+
+@dataclass(frozen=True)
+class Isa:
+    march: str
+    simdlen: int
+    vec_isa: str  # Inductor's name of the vector ISA ("" for scalar code)
+    recorded: str  # what an AOTInductor package's AOTI_CPU_ISA then says
+
+    @property
+    def inductor_configs(self) -> dict[str, Any]:
+        return {"cpp.march": self.march, "cpp.simdlen": self.simdlen}
+
+
+ISAS = {
+    "x86-64": Isa("x86-64", 0, "", "INVALID_VEC_ISA"),
+    "avx2": Isa("x86-64-v3", 256, "avx2", "AVX2"),
+    "avx512": Isa("x86-64-v4", 512, "avx512", "AVX512"),
+}
+DEFAULT_ISA = "avx2"
+
+
+def host_vec_isas() -> set[str]:
+    return {str(i) for i in cpu_vec_isa.valid_vec_isa_list()}
+
+
+@contextlib.contextmanager
+def only_vec_isa(name: str) -> Iterator[None]:
+    """Make Inductor see exactly one vector ISA while it compiles (one compile per process)."""
+    original = cpu_vec_isa.valid_vec_isa_list
+    chosen = [i for i in original() if str(i) == name]
+    cpu_vec_isa.valid_vec_isa_list = lambda: chosen  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
+
+
+def isa_resource(isa: str) -> str:
+    """The Ray custom resource a node offers for each CPU slot that can build this ISA."""
+    return "farm_cpu_" + isa.replace("-", "_")
+
+
+def host_resources(slots: int) -> dict[str, float]:
+    """What this host offers: every ISA it can build and run, `slots` each."""
+    have = host_vec_isas()
+    return {isa_resource(name): float(slots) for name, isa in ISAS.items() if not isa.vec_isa or isa.vec_isa in have}
+
+
+class PinnedCpuTarget:
+    """validate / target_components / placement / host_problem for a backend whose targets
+    are `<name>[:isa]` on x86 CPUs."""
+
+    name: str
+
+    def isa(self, target: Target) -> tuple[str, Isa]:
+        name = target.isa or DEFAULT_ISA
+        if name not in ISAS:
+            raise LoweringError(f"target {target.label}: unknown ISA {name!r}; choose one of {', '.join(ISAS)}")
+        return name, ISAS[name]
+
+    def validate(self, target: Target) -> None:
+        self.isa(target)
+
+    def target_components(self, target: Target) -> dict[str, Any]:
+        name, isa = self.isa(target)
+        return {"backend": self.name, "device": "cpu", "isa": name, "march": isa.march, "simdlen": isa.simdlen}
+
+    def placement(self, target: Target) -> dict[str, float]:
+        return {isa_resource(self.isa(target)[0]): 1}
+
+    def host_problem(self, target: Target) -> str | None:
+        name, isa = self.isa(target)
+        have = host_vec_isas()
+        if isa.vec_isa and isa.vec_isa not in have:
+            return f"this host cannot build or run {name} code (it has: {', '.join(sorted(have)) or 'no vector ISA'})"
+        return None
