@@ -25,16 +25,16 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _open_store(uri: str):
-    from storage import StoreError, store_from_uri
+    from storage import CacheConfig, StoreError, store_from_uri
 
     try:
-        return store_from_uri(uri)
+        return store_from_uri(uri, CacheConfig.from_env())
     except (ValueError, StoreError) as e:
         raise _fail(str(e)) from e
 
 
 def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> None:
-    from farm.console import ProgressEvents, console, failure_logs, out, results_table
+    from farm.console import ProgressEvents, console, failure_logs, out, results_table, stats_line
     from scheduler.jobs import execute, run_in_process
     from storage import StoreError
 
@@ -51,12 +51,12 @@ def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> Non
         f"{outcome.retries} retries. "
         f"Artifacts and results are in {store.uri} (results: jobs/{outcome.job_id}/results.parquet)."
     )
+    out.print(stats_line(outcome.stats))
     key = next((r.key for r in outcome.results if r.status in ("compiled", "hit")), None)
     if key:
-        out.print(
-            f"Load one: farm fetch {key} model.pt2 --store {store_uri}\n"
-            f"          python -c \"import torch; m = torch._inductor.aoti_load_package('model.pt2'); print(m)\""
-        )
+        out.print(f"Fetch one (it prints how to load it): farm fetch {key} model.pt2 --store {store_uri}")
+    if outcome.count("compiled"):
+        out.print(f"Why were there misses? farm explain --job {outcome.job_id} --store {store_uri}")
     if outcome.count("failed"):
         console.print("[red]some units failed[/red]; their errors are in the table, their logs:")
         for line in failure_logs(rows, store_uri):
@@ -72,12 +72,13 @@ def compile(
     module: list[str] = typer.Option([], "--module", "-m", help="module to import before loading (output pytree types)"),
     atol: float = typer.Option(1e-4, help="verification absolute tolerance"),
     rtol: float = typer.Option(1e-4, help="verification relative tolerance"),
+    weights: str = typer.Option("values", help="values: an artifact per checkpoint; shapes: one per architecture"),
 ) -> None:
     """Compile graphs for targets in this process and print a results table."""
     try:
         job = parse_job(
             {"name": "compile", "graphs": [str(g) for g in graphs], "targets": target, "modules": module,
-             "verify": {"atol": atol, "rtol": rtol}},
+             "verify": {"atol": atol, "rtol": rtol}, "weights": weights},
             "command line", base_dir=Path.cwd(),
         )
     except SpecError as e:
@@ -161,15 +162,52 @@ def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
 @app.command()
 def results(job_id: str, store: str = StoreOpt) -> None:
     """Print the results table of a job from the store."""
-    from farm.console import failure_logs, out, results_table
+    from farm.console import failure_logs, out, results_table, stats_line
     from storage.results import read_results
+    from storage.stats import JobStats
 
     rows = read_results(_open_store(store), job_id)
     if rows is None:
         raise _fail(f"no results for job {job_id} in {store}")
     out.print(results_table(rows, f"job {job_id}"))
+    out.print(stats_line(JobStats.from_rows(rows)))
     for line in failure_logs(rows, store):
         out.print(line)
+
+
+@app.command()
+def explain(
+    keys: list[str] = typer.Argument(None, help="two keys (or unique prefixes) to diff"),
+    job: Optional[str] = typer.Option(None, "--job", help="explain every miss of this job"),
+    store: str = StoreOpt,
+) -> None:
+    """Why did a unit not hit? Diff two keys, or explain every miss of a job against the closest key in the store."""
+    from farm.console import diff_table, out
+    from farm.explain import ExplainError, explain_job, explain_keys
+    from storage import StoreError
+
+    if (job is None) == (len(keys or []) != 2):
+        raise _fail("give two keys (farm explain KEY_A KEY_B) or a job (farm explain --job JOB)")
+    s = _open_store(store)
+    try:
+        if job is None:
+            a, b, diffs = explain_keys(s, *keys)
+            out.print(diff_table(diffs, a, b) if diffs else f"{a[:16]}… and {b[:16]}… have the same components")
+            return
+        misses = explain_job(s, job)
+    except (ExplainError, StoreError) as e:
+        raise _fail(str(e)) from e
+    if not misses:
+        out.print(f"job {job}: every unit was a hit")
+    for m in misses:
+        head = f"[bold]{m.graph}@{m.target}[/bold] {m.status}" + (f", key {m.key[:16]}…" if m.key else "")
+        if m.key is None:
+            out.print(f"{head}: failed before it had a key: {m.error}")
+        elif m.closest is None:
+            out.print(f"{head}: the store holds no other key to compare with; this was a first compile")
+        else:
+            out.print(f"{head}: closest key {m.closest[:16]}… ({m.closest_label}) differs in:")
+            out.print(diff_table(m.diffs, "this unit", "closest"))
 
 
 @app.command()

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from storage.stats import JobStats
 from workers.unit import Unit, UnitResult
 
 _err = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
@@ -86,6 +87,32 @@ def results_table(rows: list[dict], title: str) -> Table:
             _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""), _fmt(r.get("total_s"), ".1f"),
             r.get("error") or (r["key"][:16] + "…" if r.get("key") else ""),
         )
+    return table
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def stats_line(stats: JobStats) -> str:
+    rate = "-" if stats.hit_rate is None else f"{stats.hit_rate:.0%}"
+    wait = f" · waited {stats.lease_wait_s:.1f} s for other workers' compiles" if stats.lease_wait_s >= 0.05 else ""
+    return (f"hit rate {rate} ({stats.hits}/{stats.looked_up}) · compile time saved {stats.saved_s:.1f} s · "
+            f"spent compiling {stats.compile_s:.1f} s{wait} · moved {_bytes(stats.bytes_uploaded)} up, "
+            f"{_bytes(stats.bytes_downloaded)} down, {_bytes(stats.bytes_cached)} from local disk caches")
+
+
+def diff_table(diffs: list[tuple[str, object, object]], a: str, b: str) -> Table:
+    table = Table(title_justify="left")
+    table.add_column("component")
+    table.add_column(a[:16] + ("…" if len(a) > 16 else ""), overflow="fold")
+    table.add_column(b[:16] + ("…" if len(b) > 16 else ""), overflow="fold")
+    for path, va, vb in diffs:
+        table.add_row(path, "-" if va is None else str(va), "-" if vb is None else str(vb))
     return table
 
 

@@ -19,7 +19,7 @@ from typing import Iterator
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from storage import Store, store_from_uri
+from storage import CacheConfig, Store, store_from_uri
 from workers.backends import LoweringError, resolve
 from workers.pipeline import run_unit
 from workers.unit import Unit, UnitResult
@@ -38,7 +38,7 @@ class CompileWorker:
     """One per slot; runs units one at a time for as long as the job lasts."""
 
     def __init__(self, store_uri: str):
-        self.store = store_from_uri(store_uri)
+        self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
         import torch._inductor  # noqa: F401  (pay the import once, before the first unit)
 
