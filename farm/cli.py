@@ -155,8 +155,9 @@ def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
         raise _fail(str(e)) from e
     facts = manifest.get("artifact", {})
     out.print(f"{dest}: {manifest['graph']} for {manifest['target']} ({ref['size']} bytes, sha256 {ref['digest'][:12]}… verified)")
-    if facts.get("load"):
-        out.print(f"load with {facts['load'].replace('PATH', repr(str(dest)))}")
+    for how in ("load", "load_other_weights"):
+        if facts.get(how):
+            out.print(f"{'load with' if how == 'load' else 'with another checkpoint'}: {facts[how].replace('PATH', repr(str(dest)))}")
 
 
 @app.command()

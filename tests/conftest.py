@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,14 @@ from storage import store_from_uri
 from tests.seaweed import S3Server, start_seaweed
 
 _bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_disk_cache(tmp_path_factory) -> Path:
+    """Workers' local blob tier (FARM_CACHE_DIR) in a session directory, not in ~/.cache."""
+    d = tmp_path_factory.mktemp("farm-disk-cache")
+    os.environ["FARM_CACHE_DIR"] = str(d)
+    return d
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +68,22 @@ def zoo_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("zoo")
     export_zoo(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def zoo_runs(zoo_dir, tmp_path_factory):
+    """The zoo job run twice into one local store: cold, then unchanged."""
+    from farm.spec import parse_job
+    from scheduler.jobs import execute
+
+    store = store_from_uri(str(tmp_path_factory.mktemp("zoo-store")))
+    job = parse_job({"name": "zoo", "graphs": sorted(str(p) for p in zoo_dir.glob("*.pt2")), "targets": ["aoti-cpu"]})
+    t0 = time.perf_counter()
+    cold = execute(job, store)
+    t1 = time.perf_counter()
+    warm = execute(job, store)
+    t2 = time.perf_counter()
+    return store, cold, warm, t1 - t0, t2 - t1
 
 
 @pytest.fixture(scope="session")

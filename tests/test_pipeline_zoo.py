@@ -1,31 +1,15 @@
 """The whole unit pipeline on the smoke zoo: real exports, real AOTInductor builds."""
 from __future__ import annotations
 
-import time
+import json
 
 import pytest
 import torch
 
-from farm.spec import parse_job
 from farm.zoo import ZOO, export_model
-from scheduler.jobs import execute
-from storage import store_from_uri
 from storage.results import read_results
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def zoo_runs(zoo_dir, tmp_path_factory):
-    """The zoo job run twice into one local store: cold, then unchanged."""
-    store = store_from_uri(str(tmp_path_factory.mktemp("zoo-store")))
-    job = parse_job({"name": "zoo", "graphs": sorted(str(p) for p in zoo_dir.glob("*.pt2")), "targets": ["aoti-cpu"]})
-    t0 = time.perf_counter()
-    cold = execute(job, store)
-    t1 = time.perf_counter()
-    warm = execute(job, store)
-    t2 = time.perf_counter()
-    return store, cold, warm, t1 - t0, t2 - t1
 
 
 def test_every_zoo_model_compiles_and_verifies(zoo_runs):
@@ -88,3 +72,26 @@ def test_key_ignores_archive_bytes_but_not_weights(zoo_dir, tmp_path):
     retrained = program_identity(load_program(tmp_path / "retrained.pt2", "retrained"))
     assert retrained["graph"] == original["graph"]
     assert retrained["program"] != original["program"]
+
+
+def test_warm_run_reports_hit_rate_and_the_compile_time_it_saved(zoo_runs):
+    store, cold, warm, _, _ = zoo_runs
+    assert cold.stats.hit_rate == 0 and warm.stats.hit_rate == 1
+    compiled_s = {r.key: r.to_row(cold.job_id)["compile_s"] for r in cold.results}
+    for r in warm.results:  # a hit saves what its manifest says the compile took
+        assert r.saved_s == pytest.approx(compiled_s[r.key], rel=1e-6) and r.saved_s > 0
+    assert warm.stats.saved_s == pytest.approx(cold.stats.compile_s, rel=1e-6)
+    assert cold.stats.bytes_uploaded > 0 and warm.stats.bytes_uploaded == 0  # nothing new to store
+    assert warm.stats.bytes_downloaded > 0  # the programs, fetched to compute their keys
+    stored = json.loads(store.get_job_file(warm.job_id, "stats.json"))
+    assert stored["hit_rate"] == 1 and stored["saved_s"] == pytest.approx(warm.stats.saved_s)
+
+
+def test_farm_results_shows_the_stats(zoo_runs):
+    from typer.testing import CliRunner
+
+    from farm.cli import app
+
+    store, _, warm, _, _ = zoo_runs
+    out = CliRunner().invoke(app, ["results", warm.job_id, "--store", store.uri]).output
+    assert f"hit rate 100% ({len(ZOO)}/{len(ZOO)})" in out and "compile time saved" in out

@@ -1,0 +1,121 @@
+"""Dedupe across concurrent jobs: a worker leases a key before compiling it, others wait
+for the manifest, and a lease whose holder stopped renewing is taken over."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from storage import Lease, Leases, store_from_uri
+from storage.results import read_results
+
+
+def test_one_winner_per_generation_among_racing_workers(store):
+    leases = [Leases(store.backend, f"worker-{i}", ttl_s=5) for i in range(8)]
+    won: list[Lease] = []
+    barrier = threading.Barrier(len(leases))
+
+    def race(lease_set: Leases) -> None:
+        barrier.wait()
+        got = lease_set.try_acquire("k" * 64, 0)
+        if got is not None:
+            won.append(got)
+
+    threads = [threading.Thread(target=race, args=(l,)) for l in leases]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(won) == 1
+    assert leases[0].current("k" * 64).holder == won[0].info.holder
+    won[0].release()
+    assert leases[0].current("k" * 64) is None
+
+
+def test_a_waiter_gets_the_manifest_instead_of_the_lease(store):
+    holder = Leases(store.backend, "holder", ttl_s=5).try_acquire("key1", 0)
+    published = {}
+    threading.Timer(0.5, lambda: published.update(manifest={"key": "key1"})).start()
+    with holder:
+        start = time.monotonic()
+        got = Leases(store.backend, "waiter", ttl_s=5).claim("key1", lambda: published.get("manifest"), poll_s=0.1)
+    assert got == {"key": "key1"} and 0.4 < time.monotonic() - start < 4
+
+
+def test_a_silent_holder_is_taken_over_and_learns_it(store):
+    stale = Leases(store.backend, "crashed-worker", ttl_s=1).try_acquire("key2", 0)  # never renewed
+    seen = []
+    start = time.monotonic()
+    got = Leases(store.backend, "rescuer", ttl_s=1).claim("key2", lambda: None, on_wait=seen.append, poll_s=0.1)
+    assert isinstance(got, Lease) and got.info.generation == 1 and got.info.holder == "rescuer"
+    assert time.monotonic() - start >= 1 and [i.holder for i in seen] == ["crashed-worker"]
+    assert not stale.renew() and stale.superseded  # the old holder finds out at its next beat
+    got.release()
+
+
+def test_a_live_holder_is_not_taken_over(store):
+    with Leases(store.backend, "busy-worker", ttl_s=0.8).try_acquire("key3", 0):  # renews every 0.2 s
+        claimant = Leases(store.backend, "impatient", ttl_s=0.8)
+        result = []
+        t = threading.Thread(target=lambda: result.append(claimant.claim("key3", lambda: None, poll_s=0.1)))
+        t.start()
+        t.join(timeout=3)
+        assert t.is_alive() and not result  # still waiting after almost 4 ttl: the holder is alive
+    t.join(timeout=5)  # released without publishing: the claimant gets the key
+    assert isinstance(result[0], Lease) and result[0].info.holder == "impatient"
+    result[0].release()
+
+
+@pytest.mark.slow
+def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path):
+    """A worker died holding the lease of a key: the next worker waits one lease period, then compiles."""
+    from farm.spec import parse_job
+    from scheduler.plan import plan
+    from workers.pipeline import run_unit
+
+    store = store_from_uri(str(tmp_path / "store"))
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu:x86-64"], "limits": {"lease_s": 2}})
+    (unit,) = plan(job, store)
+    key = _key_of(unit, store)
+    Leases(store.backend, "node-7/pid-4242 (killed)", ttl_s=2).try_acquire(key, 0)
+
+    result = run_unit(unit, store)
+    assert result.status == "compiled", result.error
+    assert result.key == key and result.timings["lease_wait"] >= 2
+    log = store.get_bytes(store.get_manifest(key)["blobs"]["log"]["digest"]).decode()
+    assert "took over the lease from node-7/pid-4242 (killed)" in log
+    assert Leases(store.backend, "x").current(key) is None  # released after publishing
+
+
+def _key_of(unit, store) -> str:
+    from workers.backends import resolve
+    from workers.keys import key_components, key_of
+    from workers.program import load_program, program_identity
+
+    path = store.fetch(unit.program.digest, store.backend.root / "p.pt2")
+    identity = program_identity(load_program(path, "p"))
+    return key_of(key_components(identity, resolve(unit.target).target_components(unit.target), {}))
+
+
+@pytest.mark.slow
+def test_two_jobs_at_once_compile_each_key_once(zoo_dir, tmp_path):
+    """Two users compile overlapping graphs into one store at the same moment."""
+    store_dir = tmp_path / "store"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # real compiles, long enough to overlap
+    cmd = [sys.executable, "-m", "farm", "compile", str(zoo_dir / "cnn.pt2"), str(zoo_dir / "mlp.pt2"),
+           "-t", "aoti-cpu:x86-64", "--store", str(store_dir)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+
+    store = store_from_uri(str(store_dir))
+    rows = [r for job in store.job_ids() for r in read_results(store, job)]
+    assert len(rows) == 4 and len({r["key"] for r in rows}) == 2
+    assert sorted(r["status"] for r in rows) == ["compiled", "compiled", "hit", "hit"]
+    for key in {r["key"] for r in rows}:  # one compile per key, whichever job did it
+        assert sorted(r["status"] for r in rows if r["key"] == key) == ["compiled", "hit"]
+    assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # someone really waited instead of compiling
+    assert not list(store.backend.list("leases/"))

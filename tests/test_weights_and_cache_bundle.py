@@ -1,0 +1,118 @@
+"""Two artifacts a user may ask for besides a per-checkpoint package: one compile shared by
+every checkpoint of an architecture, and a torch.compile cache bundle for serving."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from farm.client import load_compiled
+from farm.spec import parse_job
+from farm.zoo import ZOO
+from scheduler.jobs import execute
+from storage import store_from_uri
+from workers.program import load_program, program_identity
+
+pytestmark = pytest.mark.slow
+
+
+def _checkpoint(seed: int, path) -> torch.export.ExportedProgram:
+    """The smoke CNN trained differently: other weights and other BatchNorm statistics. Its
+    BatchNorm has 8 channels, small enough that Inductor would inline them as literals."""
+    spec = ZOO["cnn"]
+    torch.manual_seed(seed)
+    model = spec.build().eval()
+    with torch.no_grad():
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.uniform_(0.5, 1.5)
+    ep = torch.export.export(model, spec.example(), dynamic_shapes=spec.dynamic())
+    torch.export.save(ep, str(path))
+    return ep
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    a, b = _checkpoint(1, d / "cnn_a.pt2"), _checkpoint(2, d / "cnn_b.pt2")
+    store = store_from_uri(str(d / "store"))
+    job = parse_job({"graphs": [str(d / "cnn_a.pt2"), str(d / "cnn_b.pt2")], "targets": ["aoti-cpu"], "weights": "shapes"})
+    return d, a, b, store, execute(job, store)
+
+
+def test_two_checkpoints_share_one_compile(two_checkpoints):
+    _, _, _, store, outcome = two_checkpoints
+    first, second = outcome.results
+    assert (first.status, second.status) == ("compiled", "hit"), (first.error, second.error)
+    assert first.key == second.key
+    manifest = store.get_manifest(first.key)
+    assert manifest["weights"]["mode"] == "shapes"
+    assert manifest["components"]["program"]["weights_mode"] == "shapes"
+    # the hit was checked with its own weights before being called one
+    assert second.metrics["weights_swapped"] == 1.0 and second.metrics["max_abs_err"] < 1e-4
+    assert outcome.stats.hit_rate == 0.5 and outcome.stats.saved_s > 0
+
+
+def test_the_shared_artifact_runs_with_the_other_checkpoint(two_checkpoints, tmp_path):
+    d, a, b, store, outcome = two_checkpoints
+    path = store.fetch(outcome.results[0].artifact.digest, tmp_path / "cnn.pt2")
+    x = torch.randn(5, 3, 16, 16)  # a batch size neither was exported with
+    assert (a.module()(x) - b.module()(x)).abs().max() > 1e-2  # really different checkpoints
+    compiled_b = load_compiled(path, weights_from=d / "cnn_b.pt2")
+    torch.testing.assert_close(compiled_b(x), b.module()(x), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(load_compiled(path)(x), a.module()(x), atol=1e-4, rtol=1e-4)  # as built
+
+
+def test_values_mode_keeps_one_artifact_per_checkpoint(two_checkpoints):
+    d = two_checkpoints[0]
+    a, b = (program_identity(load_program(d / f"cnn_{n}.pt2", n)) for n in "ab")
+    assert a["graph"] == b["graph"] and a["program"] != b["program"]
+    shapes_a, shapes_b = (program_identity(load_program(d / f"cnn_{n}.pt2", n), weights_by_value=False) for n in "ab")
+    assert shapes_a["program"] == shapes_b["program"] != a["program"]
+
+
+_SERVE = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from workers.inputs import input_sets
+from workers.program import load_program
+bundle, program, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if bundle != "-":
+    torch.compiler.load_cache_artifacts(open(bundle, "rb").read())
+ep = load_program(program, program)
+model = ep.module()
+compiled = torch.compile(model)
+worst = 0.0
+with torch._inductor.config.patch(config), torch.no_grad():
+    for s in input_sets(ep):
+        worst = max(worst, (compiled(*s.args) - model(*s.args)).abs().max().item())
+print(json.dumps({"inductor": dict(counters["inductor"]), "worst": worst}))
+"""
+
+
+def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(zoo_dir, tmp_path):
+    store = store_from_uri(str(tmp_path / "store"))
+    job = parse_job({"graphs": [str(zoo_dir / "gpt.pt2")], "targets": ["inductor-cache"]})
+    (r,) = execute(job, store).results
+    assert r.status == "compiled", r.error
+    manifest = store.get_manifest(r.key)
+    assert manifest["artifact"]["format"] == "torch-compile-cache-artifacts"
+    bundle = store.fetch(r.artifact.digest, tmp_path / "bundle.bin")
+
+    def serve(bundle_arg: str, cache: str) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}  # a machine that never compiled it
+        proc = subprocess.run([sys.executable, "-c", _SERVE, bundle_arg, str(zoo_dir / "gpt.pt2"),
+                               json.dumps(manifest["artifact"]["serving_config"])],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    warm = serve(str(bundle), "fresh-1")
+    assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 2  # the static graph and the dynamic one
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0 and warm["worst"] < 1e-4
+    cold = serve("-", "fresh-2")  # the same process without the bundle compiles everything
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and cold["inductor"].get("fxgraph_cache_hit", 0) == 0
