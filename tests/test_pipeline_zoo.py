@@ -88,10 +88,8 @@ def test_warm_run_reports_hit_rate_and_the_compile_time_it_saved(zoo_runs):
 
 
 def test_farm_results_shows_the_stats(zoo_runs):
-    from typer.testing import CliRunner
-
-    from farm.cli import app
+    from tests.cli import farm
 
     store, _, warm, _, _ = zoo_runs
-    out = CliRunner().invoke(app, ["results", warm.job_id, "--store", store.uri]).output
+    out = farm("results", warm.job_id, "--store", store.uri)
     assert f"hit rate 100% ({len(ZOO)}/{len(ZOO)})" in out and "compile time saved" in out
