@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import yaml
 import ray
 
 from farm.spec import parse_job
@@ -112,3 +113,29 @@ def test_farm_submit_status_and_results_from_the_command_line(ray_cluster, zoo_d
     results = subprocess.run([sys.executable, "-m", "farm", "results", job_id, "--store", store],
                              capture_output=True, text=True, timeout=120)
     assert "mlp" in results.stdout and "compiled" in results.stdout
+
+
+def test_two_jobs_submitted_at_once_compile_each_key_once(ray_cluster, zoo_dir, tmp_path):
+    """Two users submit overlapping jobs to one cluster and store at the same moment; each job
+    gets one avx2 worker, and between them each key is compiled once."""
+    store = str(tmp_path / "store")
+    graphs = [str(zoo_dir / "encoder_block.pt2"), str(zoo_dir / "gpt.pt2")]
+    # an option no other test uses, so the cluster's Inductor cache has nothing for these compiles
+    target = {"backend": "aoti-cpu", "isa": "avx2", "options": {"cpp.threads": 1}}
+    procs = []
+    for user in ("alice", "bob"):
+        job_file = tmp_path / f"{user}.yaml"
+        job_file.write_text(yaml.safe_dump({"name": user, "graphs": graphs, "targets": [target], "limits": {"workers": 1}}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "farm", "submit", str(job_file), "--store", store,
+                                       "--address", ray_cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+
+    s = store_from_uri(store)
+    rows = [r for job in s.job_ids() for r in read_results(s, job)]
+    assert len(rows) == 4
+    for key in {r["key"] for r in rows}:
+        assert sorted(r["status"] for r in rows if r["key"] == key) == ["compiled", "hit"], rows
+    assert len(list(s.manifest_keys())) == 2 and not list(s.backend.list("leases/"))
+    assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # one job waited for the other's compiles
