@@ -118,11 +118,11 @@ def submit(
     config = PoolConfig(workers=workers or limits.workers, timeout_s=timeout or limits.timeout_s,
                         retries=limits.retries if retries is None else retries)
     job_id = new_job_id(job.name)
-    with ray_session(address) as dashboard:
-        if dashboard:
-            console.print(f"Ray dashboard: {dashboard} (token: `ray get-auth-token`)")
+    with ray_session(address) as session:
+        if session.dashboard:
+            console.print(f"Ray dashboard: {session.dashboard} (token: `ray get-auth-token`)")
         console.print(f"job {job_id}: `farm status {job_id} --store {store}` from any machine")
-        _run_job(job, store, RayRunner(config, job_id=job_id), job_id=job_id)
+        _run_job(job, store, RayRunner(config, job_id=job_id, lookup_first=session.embedded), job_id=job_id)
 
 
 @app.command()

@@ -21,7 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from storage import CacheConfig, Store, store_from_uri
 from workers.backends import LoweringError, resolve
-from workers.pipeline import run_unit
+from workers.pipeline import lookup_unit, run_unit
 from workers.unit import Unit, UnitResult
 
 POLL_S = 0.5
@@ -82,6 +82,10 @@ class RayRunner:
     config: PoolConfig = field(default_factory=PoolConfig)
     job_id: str = "job"
     slots: list[_Slot] = field(default_factory=list)
+    # Answer hits in this process before starting any worker. Only sound when this process
+    # computes keys exactly as the workers would: the embedded Ray, whose workers share its
+    # Python environment (a remote cluster's image may have another torch or compiler).
+    lookup_first: bool = False
 
     def _start(self, slot: _Slot, resource: str) -> None:
         slot.resource, slot.generation = resource, slot.generation + 1
@@ -110,6 +114,9 @@ class RayRunner:
                 result = run_unit(unit, store)
                 events.finished(unit, result)
                 yield unit, result
+            elif self.lookup_first and (hit := lookup_unit(unit, store)) is not None:
+                events.finished(unit, hit)
+                yield unit, hit
             else:
                 queues[resource].append(_Pending(unit))
 
@@ -209,12 +216,18 @@ def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:
                       retryable=retryable)
 
 
+@dataclass(frozen=True)
+class RaySession:
+    dashboard: str | None  # URL, when this process started Ray with its dashboard
+    embedded: bool  # this process started Ray: its workers share this Python environment
+
+
 @contextmanager
-def ray_session(address: str | None, slots: int | None = None) -> Iterator[str | None]:
+def ray_session(address: str | None, slots: int | None = None) -> Iterator[RaySession]:
     """Join a cluster (address, or RAY_ADDRESS; token auth from RAY_AUTH_TOKEN or ~/.ray/auth_token)
-    or start an embedded local Ray on loopback. Yields the dashboard URL, if any."""
+    or start an embedded local Ray on loopback."""
     if ray.is_initialized():
-        yield None
+        yield RaySession(None, embedded=False)
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -227,7 +240,7 @@ def ray_session(address: str | None, slots: int | None = None) -> Iterator[str |
                        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         url = ctx.dashboard_url
-        yield f"http://{url}" if url and not url.startswith("http") else url
+        yield RaySession(f"http://{url}" if url and not url.startswith("http") else url, embedded=not address)
     finally:
         if not address:
             ray.shutdown()

@@ -139,3 +139,15 @@ def test_two_jobs_submitted_at_once_compile_each_key_once(ray_cluster, zoo_dir, 
         assert sorted(r["status"] for r in rows if r["key"] == key) == ["compiled", "hit"], rows
     assert len(list(s.manifest_keys())) == 2 and not list(s.backend.list("leases/"))
     assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # one job waited for the other's compiles
+
+
+def test_hits_are_answered_before_any_worker_starts(ray_cluster, zoo_runs, zoo_dir):
+    """With lookup_first (the embedded Ray, whose workers share the driver's environment), a
+    unit already in the store never waits for a worker; only misses start workers."""
+    store = zoo_runs[0]  # the zoo, compiled for aoti-cpu (avx2) by this same environment
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu", "aoti-cpu:x86-64"]})
+    runner = RayRunner(PoolConfig(), job_id="lookup", lookup_first=True)
+    outcome = execute(job, store, runner)
+    status = {r.target: r.status for r in outcome.results}
+    assert status == {"aoti-cpu": "hit", "aoti-cpu:x86-64": "compiled"}, [r.error for r in outcome.results]
+    assert [s.resource for s in runner.slots] == ["farm_cpu_x86_64"]  # no avx2 worker was started

@@ -58,7 +58,20 @@ class Phases:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
 
-def run_unit(unit: Unit, store: Store, workdir: Path | None = None) -> UnitResult:
+class _Miss(Exception):
+    """Raised in a hits-only lookup when the key has no manifest."""
+
+
+def lookup_unit(unit: Unit, store: Store) -> UnitResult | None:
+    """The unit's result if its key is already in the store (a hit), else None; compiles nothing.
+
+    A scheduler whose own process computes keys exactly as its workers would (same toolchain)
+    can answer hits without starting any worker."""
+    result = run_unit(unit, store, hits_only=True)
+    return result if result.status == "hit" else None
+
+
+def run_unit(unit: Unit, store: Store, workdir: Path | None = None, hits_only: bool = False) -> UnitResult:
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
     result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
     phases = Phases()
@@ -67,10 +80,13 @@ def run_unit(unit: Unit, store: Store, workdir: Path | None = None) -> UnitResul
     with tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir) as tmp, contextlib.ExitStack() as held:
         try:
             with log.capture():  # ends before publishing, so the published log is complete
-                ready = _compile(unit, store, Path(tmp), log, phases, result, held)
+                ready = _compile(unit, store, Path(tmp), log, phases, result, held, hits_only)
             if ready is not None:
                 with phases("upload"):
                     _publish(unit, store, ready, log, result, phases.timings)
+        except _Miss:
+            result.status = "skipped"  # a hits-only lookup that found no manifest
+            return result
         except (UnitFailed, ProgramError, LoweringError) as e:
             result.status, result.error = "failed", f"graph {unit.graph} ({unit.target.label}): {e}"
             result.retryable = getattr(e, "retryable", False)
@@ -110,7 +126,7 @@ class Loaded:
 
 
 def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, result: UnitResult,
-             held: contextlib.ExitStack) -> Compiled | None:
+             held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
     if unit.program is None:
         raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
     backend = resolve(unit.target)
@@ -131,6 +147,8 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
         log.note("hit: a manifest exists, nothing to compile")
         _hit(unit, store, manifest, loaded, tmp, log, phase, result)
         return None
+    if hits_only:
+        raise _Miss
 
     problem = backend.host_problem(unit.target)
     if problem:
