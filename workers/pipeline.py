@@ -96,7 +96,7 @@ def run_unit(unit: Unit, store: Store, workdir: Path | None = None, hits_only: b
         except Exception as e:  # a library blew up mid-phase: still a value, with the traceback in the log
             result.status = "failed"
             result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
-            result.retryable = phases.current in ("fetch", "upload", "lease_wait")  # I/O may succeed on retry
+            result.retryable = phases.current in ("fetch", "upload", "lease")  # I/O may succeed on retry
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
     result.timings = {**phases.timings, "total": time.perf_counter() - start}
@@ -206,8 +206,11 @@ def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> L
         log.note(f"waiting: {info.holder} holds the lease on this key (generation {info.generation}); "
                  f"it is taken over if it shows no life for {unit.lease_ttl_s:g}s")
 
-    with phase("lease_wait"):
+    start = time.perf_counter()
+    with phase("lease"):
         claim = leases.claim(key, lambda: store.get_manifest(key), on_wait=waiting)
+    if holders:  # time spent because another worker held the key, not the claim's own round trips
+        phase.timings["lease_wait"] = time.perf_counter() - start
     if isinstance(claim, Lease) and holders:
         log.note(f"took over the lease from {holders[-1]} (generation {claim.info.generation})")
     return claim
