@@ -58,10 +58,6 @@ class JobStats:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "JobStats":
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
 
 def write_stats(store: Store, job_id: str, stats: JobStats) -> str:
     return store.put_job_file(job_id, STATS_FILE, json.dumps(stats.to_dict(), indent=1).encode())
