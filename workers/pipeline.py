@@ -26,6 +26,7 @@ from torch.export import ExportedProgram
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from workers.backends import Backend, LoweringError, resolve
+from workers.autotune_share import SharedAutotune, autotunes, benchmarked
 from workers.benchmark import median_ms
 from workers.inputs import input_sets
 from workers.keys import key_components, key_of
@@ -163,12 +164,23 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
 
     with phase("lower"):
         log.note(f"lowering with {backend.name} options={unit.target.options_dict}")
+        shared = SharedAutotune(store, backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
+        if shared:
+            shared.seed()
+            log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}")
+        before = benchmarked()
         try:
             artifact = backend.lower(ep, unit.target, tmp)
         except LoweringError:
             raise
         except Exception as e:
             raise UnitFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
+        result.metrics["autotune_benchmarked"] = float(benchmarked() - before)
+        if shared:
+            shared.collect()
+            log.note(f"autotuning: benchmarked {benchmarked() - before} kernel selections here, "
+                     f"gave {shared.published} new timings to the farm")
+            result.metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
 
     with phase("verify"):
         compiled = backend.load(artifact, unit.target, ep)

@@ -32,6 +32,9 @@ class Backend(Protocol):
     def placement(self, target: Target) -> dict[str, float]:
         """Custom resources a worker must hold to take this target (routes units to matching nodes)."""
 
+    def device_fingerprint(self, target: Target) -> dict[str, Any]:
+        """What about this worker's device decides kernel timings (autotuning is shared by it)."""
+
     def host_problem(self, target: Target) -> str | None:
         """Why this host cannot build (or run) for the target, or None."""
 

@@ -7,6 +7,8 @@ named, because on a host with AMX `simdlen=512` alone would pick AMX over plain 
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -52,6 +54,18 @@ def only_vec_isa(name: str) -> Iterator[None]:
         cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
 
 
+@functools.cache
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def isa_resource(isa: str) -> str:
     """The Ray custom resource a node offers for each CPU slot that can build this ISA."""
     return "farm_cpu_" + isa.replace("-", "_")
@@ -84,6 +98,9 @@ class PinnedCpuTarget:
 
     def placement(self, target: Target) -> dict[str, float]:
         return {isa_resource(self.isa(target)[0]): 1}
+
+    def device_fingerprint(self, target: Target) -> dict[str, Any]:
+        return {"device": "cpu", "cpu_model": cpu_model(), "vec_isas": sorted(host_vec_isas()), "isa": self.isa(target)[0]}
 
     def host_problem(self, target: Target) -> str | None:
         name, isa = self.isa(target)

@@ -1,0 +1,47 @@
+"""Autotuning results in the store, shared by every worker of a device class.
+
+    tuning/inductor/<device-fp>/<digest>.json   Inductor's own kernel-choice timings, in shards
+
+Inductor keeps the timings of the kernel choices it benchmarked under max-autotune in a
+per-host file. A worker publishes what its compile added as one shard, named by the digest
+of its content, so many workers publish at once without read-modify-write races; a worker
+about to compile reads every shard of its device fingerprint. Entries are plain rows
+(op, inputs, precision, choice, milliseconds).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from storage.store import Store
+
+Entry = tuple[str, str, str, str, float]
+
+
+def _prefix(fingerprint: str) -> str:
+    if not fingerprint or "/" in fingerprint:
+        raise ValueError(f"not a device fingerprint: {fingerprint!r}")
+    return f"tuning/inductor/{fingerprint}/"
+
+
+def put_inductor_shard(store: Store, fingerprint: str, device: dict[str, Any], entries: list[Entry]) -> str | None:
+    """Publish entries as one shard; None when there is nothing to publish."""
+    if not entries:
+        return None
+    data = json.dumps({"device": device, "entries": sorted(entries)}, sort_keys=True).encode()
+    path = _prefix(fingerprint) + hashlib.sha256(data).hexdigest() + ".json"
+    store.backend.write(path, data, if_absent=True)
+    return path
+
+
+def inductor_entries(store: Store, fingerprint: str) -> list[Entry]:
+    """Every entry published for this device fingerprint (a choice timed twice keeps one timing)."""
+    entries: dict[tuple[str, str, str, str], float] = {}
+    for path in sorted(store.backend.list(_prefix(fingerprint))):
+        data = store.backend.read(path)
+        if data is None:
+            continue
+        for op, inputs, precision, choice, ms in json.loads(data)["entries"]:
+            entries.setdefault((op, inputs, precision, choice), float(ms))
+    return [(*k, v) for k, v in entries.items()]

@@ -1,0 +1,50 @@
+"""Inductor's own autotuning, shared: a GEMM choice benchmarked on one worker is not
+benchmarked again on another worker of the same device class."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from farm.zoo import export_model
+from storage import store_from_uri
+from storage.results import read_results
+
+pytestmark = pytest.mark.slow
+
+TARGET = {"backend": "aoti-cpu", "options": {"max_autotune": True, "freezing": True}}
+
+
+def _run_on_a_fresh_worker(graph, store: str, tmp_path, name: str) -> dict:
+    """`farm run` in its own process with its own Inductor cache: another machine, as far as
+    Inductor can tell."""
+    job = tmp_path / f"{name}.yaml"
+    job.write_text(yaml.safe_dump({"name": name, "graphs": [str(graph)], "targets": [TARGET]}))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
+    proc = subprocess.run([sys.executable, "-m", "farm", "run", str(job), "--store", store],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = store_from_uri(store)
+    (row,) = read_results(s, next(j for j in s.job_ids() if j.startswith(name + "-")))
+    assert row["status"] == "compiled", row["error"]
+    return s.get_manifest(row["key"])["metrics"]
+
+
+def test_second_worker_does_no_gemm_benchmarking(zoo_dir, tmp_path):
+    store = str(tmp_path / "store")
+    first = _run_on_a_fresh_worker(zoo_dir / "mlp.pt2", store, tmp_path, "first")
+    assert first["autotune_benchmarked"] >= 3 and first["autotune_published"] >= 6  # 3 GEMMs x 2 choices
+    assert list(store_from_uri(store).backend.list("tuning/inductor/"))
+
+    ep = export_model("mlp")  # the next checkpoint: another key, the same GEMM shapes
+    with torch.no_grad():
+        for p in ep.state_dict.values():
+            p.mul_(0.9)
+    torch.export.save(ep, str(tmp_path / "mlp_v2.pt2"))
+    second = _run_on_a_fresh_worker(tmp_path / "mlp_v2.pt2", store, tmp_path, "second")
+    assert second["autotune_seeded"] >= first["autotune_published"]
+    assert second["autotune_benchmarked"] == 0 and second["autotune_published"] == 0
