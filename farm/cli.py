@@ -18,9 +18,11 @@ StoreOpt = typer.Option(DEFAULT_STORE, "--store", help="a directory, file://… 
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
+    from rich.markup import escape
+
     from farm.console import console
 
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code)
 
 
@@ -141,6 +143,8 @@ def status(job_id: str, store: str = StoreOpt) -> None:
 @app.command()
 def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
     """Download the artifact of a unit KEY to DEST, verified against its digest."""
+    from rich.markup import escape
+
     from farm.console import out
     from storage import StoreError
 
@@ -154,10 +158,11 @@ def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
     except (StoreError, ValueError) as e:
         raise _fail(str(e)) from e
     facts = manifest.get("artifact", {})
-    out.print(f"{dest}: {manifest['graph']} for {manifest['target']} ({ref['size']} bytes, sha256 {ref['digest'][:12]}… verified)")
+    out.print(escape(f"{dest}: {manifest['graph']} for {manifest['target']}") + f" ({ref['size']} bytes, sha256 {ref['digest'][:12]}… verified)")
     for how in ("load", "load_other_weights"):
         if facts.get(how):
-            out.print(f"{'load with' if how == 'load' else 'with another checkpoint'}: {facts[how].replace('PATH', repr(str(dest)))}")
+            out.print(escape(f"{'load with' if how == 'load' else 'with another checkpoint'}: "
+                             f"{facts[how].replace('PATH', repr(str(dest)))}"))
 
 
 @app.command()
@@ -184,6 +189,8 @@ def explain(
 ) -> None:
     """Why did a unit not hit? Diff two keys, or explain every miss of a job against the closest key in the store."""
     from farm.console import diff_table, out
+    from rich.markup import escape
+
     from farm.explain import ExplainError, explain_job, explain_keys
     from storage import StoreError
 
@@ -201,13 +208,13 @@ def explain(
     if not misses:
         out.print(f"job {job}: every unit was a hit")
     for m in misses:
-        head = f"[bold]{m.graph}@{m.target}[/bold] {m.status}" + (f", key {m.key[:16]}…" if m.key else "")
+        head = f"[bold]{escape(m.graph)}@{escape(m.target)}[/bold] {m.status}" + (f", key {m.key[:16]}…" if m.key else "")
         if m.key is None:
-            out.print(f"{head}: failed before it had a key: {m.error}")
+            out.print(f"{head}: failed before it had a key: {escape(m.error or '')}")
         elif m.closest is None:
             out.print(f"{head}: the store holds no other key to compare with; this was a first compile")
         else:
-            out.print(f"{head}: closest key {m.closest[:16]}… ({m.closest_label}) differs in:")
+            out.print(f"{head}: closest key {m.closest[:16]}… ({escape(m.closest_label or '')}) differs in:")
             out.print(diff_table(m.diffs, "this unit", "closest"))
 
 

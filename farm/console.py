@@ -8,6 +8,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -81,11 +82,14 @@ def results_table(rows: list[dict], title: str) -> Table:
         table.add_column(col, **kw)
     style = {"compiled": "green", "hit": "cyan", "failed": "red", "skipped": "yellow"}
     for r in rows:
+        key = r["key"][:16] + "…" if r.get("key") else ""
+        if r.get("candidate") and r["target"].endswith("(autotuned)"):
+            key = f"winner {r['candidate']} · {key}"
         table.add_row(
-            r["graph"], r["target"], f"[{style.get(r['status'], '')}]{r['status']}",
+            escape(r["graph"]), escape(r["target"]), f"[{style.get(r['status'], '')}]{r['status']}",
             _fmt(r.get("max_abs_err"), ".2g"), _fmt(r.get("eager_ms"), ".3f"), _fmt(r.get("compiled_ms"), ".3f"),
             _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""), _fmt(r.get("total_s"), ".1f"),
-            r.get("error") or (r["key"][:16] + "…" if r.get("key") else ""),
+            escape(r.get("error") or key),
         )
     return table
 
@@ -112,11 +116,11 @@ def diff_table(diffs: list[tuple[str, object, object]], a: str, b: str) -> Table
     table.add_column(a[:16] + ("…" if len(a) > 16 else ""), overflow="fold")
     table.add_column(b[:16] + ("…" if len(b) > 16 else ""), overflow="fold")
     for path, va, vb in diffs:
-        table.add_row(path, "-" if va is None else str(va), "-" if vb is None else str(vb))
+        table.add_row(escape(path), "-" if va is None else escape(str(va)), "-" if vb is None else escape(str(vb)))
     return table
 
 
 def failure_logs(rows: list[dict], store_arg: str) -> list[str]:
     """One line per failed unit telling how to read its log."""
-    return [f"  {r['graph']} ({r['target']}): farm log {r['log_digest']} --store {store_arg}"
+    return [f"  {escape(r['graph'])} ({escape(r['target'])}): farm log {r['log_digest']} --store {store_arg}"
             for r in rows if r["status"] == "failed" and r.get("log_digest")]

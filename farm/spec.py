@@ -7,6 +7,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from workers.autotune import DEFAULT_SPACE, resolve_space
+
 
 class SpecError(ValueError):
     """The job spec is wrong; the message names the file and field and says what to do."""
@@ -31,11 +33,44 @@ class GraphSpec(_Strict):
         return self.name or Path(self.path.rstrip("/")).name.removesuffix(".pt2")
 
 
+class CandidateSpec(_Strict):
+    name: str
+    options: dict[str, Any] = {}
+
+
+class AutotuneSpec(_Strict):
+    candidates: list[str | CandidateSpec] = Field(
+        list(DEFAULT_SPACE), description="preset names (default, max_autotune, freezing, ...) or {name, options}")
+    retune: bool = Field(False, description="measure every candidate again even if a tuning record exists")
+
+    @field_validator("candidates")
+    @classmethod
+    def _names_unique(cls, v: list[str | CandidateSpec]) -> list[str | CandidateSpec]:
+        names = [c if isinstance(c, str) else c.name for c in v]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"candidate names must be unique; listed twice: {', '.join(twice)}")
+        return v
+
+
 class TargetSpec(_Strict):
     backend: str = Field(description="lowering backend, e.g. aoti-cpu")
     isa: str | None = None
     options: dict[str, Any] = {}
     timeout_s: float | None = Field(None, gt=0, description="overrides limits.timeout_s for this target's units")
+    autotune: AutotuneSpec | None = Field(None, description="compile candidates in parallel and keep the fastest")
+
+    @model_validator(mode="after")
+    def _space_resolves(self) -> "TargetSpec":
+        if self.autotune is not None:
+            self.space()  # raises with the reason, which pydantic attaches to this target
+        return self
+
+    def space(self) -> dict[str, dict[str, Any]]:
+        """Candidate name → its Inductor options (on top of `options`); `default` first."""
+        assert self.autotune is not None
+        raw = [c if isinstance(c, str) else c.model_dump() for c in self.autotune.candidates]
+        return resolve_space(self.backend, raw)
 
     @model_validator(mode="before")
     @classmethod

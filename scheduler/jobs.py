@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from farm.spec import JobSpec, job_to_yaml
 from scheduler.plan import plan
+from scheduler.tuning import finish_tuning
 from storage import Store
 from storage.results import write_results
 from storage.stats import JobStats, write_stats
@@ -123,8 +124,8 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     status = StatusFile(store, outcome.job_id, events)
     units = plan(job, store)
     status.planned(units)
-    for _, result in runner(units, store, status):
-        outcome.results.append(result)
+    done = list(runner(units, store, status))
+    outcome.results = [result for _, result in done] + finish_tuning(done, store)
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
     write_results(store, outcome.job_id, rows)

@@ -4,6 +4,7 @@ one bad graph never stops a job."""
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from farm.spec import JobSpec, TargetSpec
@@ -59,8 +60,18 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
                 timeout_s=t.timeout_s,
                 lease_ttl_s=job.limits.lease_s,
             )
-            units.append(unit)
+            units.extend(_candidates(unit, t) if t.autotune else [unit])
     return units
+
+
+def _candidates(unit: Unit, t: TargetSpec) -> list[Unit]:
+    """An autotuned target becomes one unit per candidate: each is compiled, verified and
+    benchmarked on its own worker (scheduler/tuning.py then picks the winner)."""
+    return [
+        replace(unit, target=replace(unit.target, candidate=name, options=tuple(sorted({**t.options, **options}.items()))),
+                remeasure=t.autotune.retune)
+        for name, options in t.space().items()
+    ]
 
 
 def _unique(label: str, seen: set[str]) -> str:

@@ -35,6 +35,8 @@ RESULTS_SCHEMA = pa.schema(
         ("speedup", pa.float64()),
         ("worker", pa.string()),
         ("retries", pa.int64()),
+        ("candidate", pa.string()),  # autotune: this row's candidate, or the winner on the tuned row
+        ("compiled_spread_ms", pa.float64()),  # interquartile range of the compiled runs
         ("weights_mode", pa.string()),  # values | shapes: what of the weights the key hashed
         ("compile_s", pa.float64()),  # lower + verify + benchmark, for units that compiled
         ("saved_s", pa.float64()),  # for hits: the compile time recorded in the manifest

@@ -134,11 +134,20 @@ class Store:
         """Publish once. Every blob the manifest names must already be in the store.
 
         Returns False if a manifest for key already exists (another writer won)."""
+        self._check_blobs(key, manifest)
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        return self.backend.write(manifest_path(key), data, if_absent=True)
+
+    def _check_blobs(self, key: str, manifest: dict[str, Any]) -> None:
         for role, ref in manifest.get("blobs", {}).items():
             if ref is not None and not self.has_blob(BlobRef.from_dict(ref)):
                 raise StoreError(f"refusing to publish {key}: its {role} blob {ref['digest']} is not in {self.uri}")
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        return self.backend.write(manifest_path(key), data, if_absent=True)
+
+    def replace_manifest(self, key: str, manifest: dict[str, Any]) -> None:
+        """Overwrite a manifest: only for a decision the user asked to revisit (autotune retune).
+        Its blobs must be in the store, as for publishing."""
+        self._check_blobs(key, manifest)
+        self.backend.write(manifest_path(key), json.dumps(manifest, indent=1, sort_keys=True).encode())
 
     def get_manifest(self, key: str) -> dict[str, Any] | None:
         data = self.backend.read(manifest_path(key))

@@ -1,5 +1,7 @@
 """Autotuning results in the store, shared by every worker of a device class.
 
+    tuning/<graph-digest>/<device-fp>.json      a tuning record: every candidate's measurements
+                                                and the decision (rewritten only on retune)
     tuning/inductor/<device-fp>/<digest>.json   Inductor's own kernel-choice timings, in shards
 
 Inductor keeps the timings of the kernel choices it benchmarked under max-autotune in a
@@ -45,3 +47,19 @@ def inductor_entries(store: Store, fingerprint: str) -> list[Entry]:
         for op, inputs, precision, choice, ms in json.loads(data)["entries"]:
             entries.setdefault((op, inputs, precision, choice), float(ms))
     return [(*k, v) for k, v in entries.items()]
+
+
+def record_path(graph_digest: str, fingerprint: str) -> str:
+    for part in (graph_digest, fingerprint):
+        if not part or "/" in part or part == "inductor":
+            raise ValueError(f"not a digest: {part!r}")
+    return f"tuning/{graph_digest}/{fingerprint}.json"
+
+
+def put_tuning_record(store: Store, path: str, record: dict[str, Any]) -> None:
+    store.backend.write(path, json.dumps(record, indent=1, sort_keys=True).encode())
+
+
+def get_tuning_record(store: Store, path: str) -> dict[str, Any] | None:
+    data = store.backend.read(path)
+    return None if data is None else json.loads(data)

@@ -27,7 +27,7 @@ from torch.export import ExportedProgram
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from workers.backends import Backend, LoweringError, resolve
 from workers.autotune_share import SharedAutotune, autotunes, benchmarked
-from workers.benchmark import median_ms
+from workers.benchmark import measure
 from workers.inputs import input_sets
 from workers.keys import key_components, key_of
 from workers.program import ProgramError, load_program, program_identity, weights_digest
@@ -189,12 +189,20 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
             raise UnitFailed("verification failed: " + "; ".join(report.problems))
 
     with phase("benchmark"):
-        eager_ms = median_ms(ep.module(), sets[0], unit.bench.warmup, unit.bench.repeat)
-        compiled_ms = median_ms(compiled, sets[0], unit.bench.warmup, unit.bench.repeat)
-        result.metrics.update(eager_ms=eager_ms, compiled_ms=compiled_ms, speedup=eager_ms / compiled_ms)
-        log.note(f"eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms (median of {unit.bench.repeat})")
+        _benchmark(unit, ep, compiled, sets[0], backend, log, result)
 
     return Compiled(artifact, result.components, backend.describe(artifact, unit.target), report.checked, built_with)
+
+
+def _benchmark(unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any, backend: Backend, log: UnitLog,
+               result: UnitResult) -> None:
+    eager = measure(ep.module(), inputs, unit.bench.warmup, unit.bench.repeat)
+    fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat)
+    result.metrics.update(eager_ms=eager.median_ms, compiled_ms=fast.median_ms, compiled_spread_ms=fast.spread_ms,
+                          speedup=eager.median_ms / fast.median_ms)
+    result.device = backend.device_fingerprint(unit.target)
+    log.note(f"eager {eager.median_ms:.3f} ms, compiled {fast.median_ms:.3f} ms ± {fast.spread_ms:.3f} (median and "
+             f"interquartile range of {unit.bench.repeat} runs) on {result.device}")
 
 
 def _verify(unit: Unit, ep: ExportedProgram, compiled: Any, log: UnitLog, result: UnitResult):
@@ -238,17 +246,24 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
     result.metrics.update(manifest.get("metrics", {}))
     timings = manifest.get("timings", {})
     result.saved_s = manifest.get("compile_s", sum(timings.get(p, 0.0) for p in COMPILE_PHASES))
+    result.device = manifest.get("device")
     built_with = manifest.get("weights", {}).get("built_with")
-    if unit.target.weights != "shapes" or built_with == loaded.built_with:
+    swap = unit.target.weights == "shapes" and built_with != loaded.built_with
+    if not swap and not unit.remeasure:
         return
-    log.note(f"the artifact was built with weights {built_with}; checking it with this checkpoint's ({loaded.built_with})")
-    with phase("verify"):
-        artifact = store.fetch(result.artifact.digest, tmp / "artifact")
-        report, _ = _verify(unit, loaded.ep, loaded.backend.load(artifact, unit.target, loaded.ep), log, result)
-    if not report.ok:
-        raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: "
-                         + "; ".join(report.problems) + ". Report it: the key should have told them apart")
-    result.metrics.update(weights_swapped=1.0)
+    artifact = store.fetch(result.artifact.digest, tmp / "artifact")
+    compiled = loaded.backend.load(artifact, unit.target, loaded.ep)
+    if swap:
+        log.note(f"the artifact was built with weights {built_with}; checking it with this checkpoint's ({loaded.built_with})")
+        with phase("verify"):
+            report, _ = _verify(unit, loaded.ep, compiled, log, result)
+        if not report.ok:
+            raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: "
+                             + "; ".join(report.problems) + ". Report it: the key should have told them apart")
+        result.metrics.update(weights_swapped=1.0)
+    if unit.remeasure:  # retuning: the artifact stands, its latency is measured again here
+        with phase("benchmark"):
+            _benchmark(unit, loaded.ep, compiled, input_sets(loaded.ep, 0)[0], loaded.backend, log, result)
 
 
 def _publish(unit: Unit, store: Store, ready: Compiled, log: UnitLog, result: UnitResult, timings: dict[str, float]) -> None:
@@ -284,6 +299,7 @@ def _manifest(unit: Unit, result: UnitResult, ready: Compiled, timings: dict[str
         "weights": {"mode": unit.target.weights, "built_with": ready.built_with},
         "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked},
         "metrics": dict(result.metrics),
+        "device": result.device,  # where the metrics were measured
         "timings": dict(timings),
         "compile_s": sum(timings.get(p, 0.0) for p in COMPILE_PHASES),
         "worker": result.worker,

@@ -19,10 +19,15 @@ class Target:
     # values: the key hashes every weight (an artifact per checkpoint); shapes: only names, shapes
     # and dtypes, and the artifact keeps weights out of its code so any checkpoint loads into it
     weights: WeightsMode = "values"
+    candidate: str | None = None  # the autotune candidate these options come from, if any
+
+    @property
+    def base_label(self) -> str:
+        return f"{self.backend}:{self.isa}" if self.isa else self.backend
 
     @property
     def label(self) -> str:
-        return f"{self.backend}:{self.isa}" if self.isa else self.backend
+        return f"{self.base_label}[{self.candidate}]" if self.candidate else self.base_label
 
     @property
     def options_dict(self) -> dict[str, Any]:
@@ -54,6 +59,7 @@ class Unit:
     bench: BenchPolicy = BenchPolicy()
     timeout_s: float | None = None  # None: the job's limit
     lease_ttl_s: float = 60.0  # a compile whose worker shows no life for this long is taken over
+    remeasure: bool = False  # on a hit, benchmark the stored artifact again (retuning)
 
     @property
     def unit_id(self) -> str:
@@ -76,6 +82,8 @@ class UnitResult:
     retries: int = 0  # times the unit was re-queued after its worker died
     components: dict[str, Any] | None = None  # what the key hashed (for `farm explain`)
     saved_s: float | None = None  # for hits: the compile time the manifest recorded
+    device: dict[str, Any] | None = None  # the device fingerprint its latencies were measured on
+    candidate: str | None = None  # autotune: the candidate of a candidate's row, the winner of the tuned row
     transfer: Transfer = field(default_factory=Transfer)
 
     def to_row(self, job_id: str) -> dict[str, Any]:
@@ -95,6 +103,8 @@ class UnitResult:
             **{k: self.metrics.get(k) for k in ("max_abs_err", "max_rel_err", "eager_ms", "compiled_ms", "speedup")},
             "worker": self.worker,
             "retries": self.retries,
+            "candidate": self.candidate,
+            "compiled_spread_ms": self.metrics.get("compiled_spread_ms"),
             "weights_mode": (self.components or {}).get("program", {}).get("weights_mode"),
             "compile_s": sum(t[p] for p in COMPILE_PHASES if p in t) if self.status == "compiled" else None,
             "saved_s": self.saved_s,
