@@ -44,7 +44,7 @@ def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> Non
     try:
         with ProgressEvents() as events:
             outcome = execute(job, store, runner or run_in_process, events=events, job_id=job_id)
-    except StoreError as e:
+    except (StoreError, SpecError) as e:
         raise _fail(str(e)) from e
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
     out.print(results_table(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"))

@@ -20,3 +20,33 @@ def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Pa
         return torch._inductor.aoti_load_package(str(artifact))
     ep = weights_from if isinstance(weights_from, ExportedProgram) else load_program(Path(weights_from), str(weights_from))
     return load_with_weights(Path(artifact), program_constants(ep))
+
+
+def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
+    """An autotuned unit from the store: its dynamic winner, plus every static specialization
+    autotune kept, each serving the inputs whose dimension has its size (the dynamic artifact
+    serves every other size)."""
+    from storage import store_from_uri
+    from workers.program import load_program
+
+    s, workdir = store_from_uri(store), Path(workdir)
+    manifest = s.get_manifest(key)
+    if manifest is None or "autotune" not in manifest:
+        raise ValueError(f"{key} is not an autotuned unit in {s.uri}")
+    blobs = manifest["blobs"]
+    fallback = load_compiled(s.fetch(blobs["artifact"]["digest"], workdir / "dynamic.pt2"))
+    names = load_program(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key).graph_signature.user_inputs
+    statics = []
+    for sp in manifest["autotune"]["specializations"]:
+        if sp["chosen"]:
+            name, dim = sp["dim"].rsplit(".", 1)
+            artifact = s.fetch(blobs[f"static {sp['dim']}={sp['size']}"]["digest"], workdir / f"{sp['dim']}={sp['size']}.pt2")
+            statics.append((names.index(name), int(dim), sp["size"], load_compiled(artifact)))
+
+    def run(*args: Any) -> Any:
+        for position, dim, size, model in statics:
+            if args[position].shape[dim] == size:
+                return model(*args)
+        return fallback(*args)
+
+    return run

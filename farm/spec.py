@@ -42,6 +42,19 @@ class AutotuneSpec(_Strict):
     candidates: list[str | CandidateSpec] = Field(
         list(DEFAULT_SPACE), description="preset names (default, max_autotune, freezing, ...) or {name, options}")
     retune: bool = Field(False, description="measure every candidate again even if a tuning record exists")
+    specialize: dict[str, list[int]] = Field(
+        {}, description="`<input>.<dim>` of a dynamic dimension → hot sizes to compile static specializations for")
+
+    @field_validator("specialize")
+    @classmethod
+    def _dims_and_sizes(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        for where, sizes in v.items():
+            name, _, dim = where.rpartition(".")
+            if not name or not dim.isdigit():
+                raise ValueError(f"{where!r}: name a dimension as <input>.<dim>, e.g. x.0 for the first dimension of input x")
+            if not sizes or any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
+                raise ValueError(f"{where}: give distinct sizes of at least 1, got {sizes}")
+        return v
 
     @field_validator("candidates")
     @classmethod

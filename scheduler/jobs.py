@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from farm.spec import JobSpec, job_to_yaml
-from scheduler.plan import plan
+from farm.spec import JobSpec, SpecError, job_to_yaml
+from scheduler.plan import check_specializations, plan
 from scheduler.tuning import finish_tuning
 from storage import Store
 from storage.results import write_results
@@ -123,6 +123,12 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     store.put_job_file(outcome.job_id, "job.yaml", job_to_yaml(job).encode())
     status = StatusFile(store, outcome.job_id, events)
     units = plan(job, store)
+    try:
+        check_specializations(job, store, units)
+    except SpecError as e:
+        status.doc.update(state="rejected", error=str(e))
+        status.write(force=True)
+        raise
     status.planned(units)
     done = list(runner(units, store, status))
     outcome.results = [result for _, result in done] + finish_tuning(done, store)

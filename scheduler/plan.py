@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from farm.spec import JobSpec, TargetSpec
+from farm.spec import JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
 from workers.unit import BenchPolicy, Target, Unit, VerifyPolicy
 
@@ -66,12 +66,42 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
 
 def _candidates(unit: Unit, t: TargetSpec) -> list[Unit]:
     """An autotuned target becomes one unit per candidate: each is compiled, verified and
-    benchmarked on its own worker (scheduler/tuning.py then picks the winner)."""
-    return [
+    benchmarked on its own worker (scheduler/tuning.py then picks the winner). Configuration
+    candidates are also measured at every hot size; each hot size gets a static
+    specialization candidate of its own."""
+    hot = tuple((where, size) for where, sizes in t.autotune.specialize.items() for size in sizes)
+    configs = [
         replace(unit, target=replace(unit.target, candidate=name, options=tuple(sorted({**t.options, **options}.items()))),
-                remeasure=t.autotune.retune)
+                remeasure=t.autotune.retune, hot_sizes=hot)
         for name, options in t.space().items()
     ]
+    statics = [replace(unit, target=replace(unit.target, candidate=f"{where}={size}"), remeasure=t.autotune.retune,
+                       specialize=(where, size)) for where, size in hot]
+    return configs + statics
+
+
+def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None:
+    """Hot sizes must lie inside their dimension's range: checked against each program before
+    anything runs, so a job with an impossible specialization is rejected as it loads."""
+    from workers.program import ProgramError, load_program
+    from workers.specialize import specialization_problems
+
+    asked = [(i, t) for i, t in enumerate(job.targets) if t.autotune and t.autotune.specialize]
+    programs = {(u.graph, u.program) for u in units if u.program is not None}
+    if not asked or not programs:
+        return
+    with tempfile.TemporaryDirectory(prefix="farm-check-") as tmp:
+        for graph, ref in sorted(programs, key=lambda p: p[0]):
+            try:
+                ep = load_program(store.fetch(ref.digest, Path(tmp) / "program.pt2"), graph)
+            except ProgramError:
+                continue  # its units fail with the reason; nothing to check against
+            for i, t in asked:
+                for where, sizes in t.autotune.specialize.items():
+                    problems = specialization_problems(ep, where, sizes)
+                    if problems:
+                        raise SpecError(f"graph {graph}: targets.{i}.autotune.specialize.{where}: "
+                                        + "; ".join(problems) + "; list sizes inside the range, or drop the dimension")
 
 
 def _unique(label: str, seen: set[str]) -> str:

@@ -55,24 +55,30 @@ def _finish(graph: str, label: str, members: list[tuple[Unit, UnitResult]], stor
         _take(tuned, existing, store)
         return tuned
 
-    measured = [_measured(u, r) for u, r in members]
+    configs = [(u, r) for u, r in members if u.specialize is None]
+    measured = [_measured(u, r) for u, r in configs]
     decision = decide(measured)
     if decision is None:
         tuned.error = f"graph {graph} ({label}): no candidate compiled and verified; see the candidates' rows"
         return tuned
     winner_unit, winner = by_name[decision.winner]
+    statics = [_static(u, r, winner) for u, r in members if u.specialize is not None]
     device = winner.device or {}
     path = record_path(default.components["program"]["graph"], fingerprint_of(device))
     put_tuning_record(store, path, {
         "graph": graph, "target": label, "program": default.components["program"], "device": device,
         "space": space, "candidates": [m.to_dict() for m in measured],
-        "winner": decision.winner, "reason": decision.reason,
+        "winner": decision.winner, "reason": decision.reason, "specializations": statics,
         "decided_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     })
     manifest = {**store.get_manifest(winner.key), "key": tuned.key, "components": tuned.components,
                 "target": tuned.target, "metrics": dict(winner.metrics), "device": winner.device,
                 "autotune": {"winner": decision.winner, "reason": decision.reason, "tuning_record": path,
-                             "candidates": {m.name: m.key for m in measured}}}
+                             "candidates": {m.name: m.key for m in measured},
+                             "specializations": [{k: st[k] for k in ("dim", "size", "key", "chosen", "reason")}
+                                                 for st in statics]}}
+    manifest["blobs"] = {**manifest["blobs"], **{f"static {st['dim']}={st['size']}": st["artifact"]
+                                                 for st in statics if st["chosen"]}}
     if retune:
         store.replace_manifest(tuned.key, manifest)
     elif not store.publish_manifest(tuned.key, manifest):  # a concurrent job decided first: its decision stands
@@ -80,6 +86,29 @@ def _finish(graph: str, label: str, members: list[tuple[Unit, UnitResult]], stor
     tuned.status, tuned.candidate = "compiled", manifest["autotune"]["winner"]
     _take(tuned, manifest, store)
     return tuned
+
+
+def _static(unit: Unit, r: UnitResult, winner: UnitResult) -> dict[str, Any]:
+    """A static specialization is kept only if it beats the dynamic winner at its size by more
+    than the noise of both; otherwise the dynamic artifact serves that size too."""
+    where, size = unit.specialize
+    at = f"{where}={size}"
+    entry = {"dim": where, "size": size, "key": r.key, "status": r.status, "error": r.error,
+             "median_ms": r.metrics.get("compiled_ms"), "spread_ms": r.metrics.get("compiled_spread_ms"),
+             "dynamic_ms": winner.metrics.get(f"compiled_ms@{at}"),
+             "dynamic_spread_ms": winner.metrics.get(f"compiled_spread_ms@{at}"),
+             "artifact": r.artifact.to_dict() if r.artifact else None, "chosen": False}
+    if r.status not in ("compiled", "hit") or entry["median_ms"] is None:
+        entry["reason"] = "did not compile and verify"
+    elif entry["dynamic_ms"] is None:
+        entry["reason"] = f"the dynamic artifact was not measured at {at}"
+    else:
+        gain = entry["dynamic_ms"] - entry["median_ms"]
+        noise = (entry["spread_ms"] or 0.0) + (entry["dynamic_spread_ms"] or 0.0)
+        entry["chosen"] = gain > noise
+        entry["reason"] = (f"{gain:.4f} ms faster than the dynamic artifact at {at}, "
+                           f"{'more' if entry['chosen'] else 'not more'} than the noise {noise:.4f} ms")
+    return entry
 
 
 def _take(tuned: UnitResult, manifest: dict[str, Any], store: Store) -> None:

@@ -53,35 +53,60 @@ def _like(example: torch.Tensor, shape: list[int], gen: torch.Generator) -> torc
     return torch.randint(lo, hi + 1, shape, dtype=example.dtype, generator=gen)
 
 
+def _symbol_examples(ep: ExportedProgram) -> dict[sympy.Symbol, int]:
+    """Every dynamic dimension's symbol and its size in the example inputs."""
+    flat, _ = pytree.tree_flatten(ep.example_inputs)
+    examples: dict[sympy.Symbol, int] = {}
+    for val, ex in zip(_user_input_vals(ep), flat):
+        if isinstance(val, torch.Tensor) and isinstance(ex, torch.Tensor):
+            for dim, size in zip(val.shape, ex.shape):
+                if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
+                    examples[dim.node.expr] = int(size)
+    return examples
+
+
+def inputs_at(ep: ExportedProgram, sizes: dict[sympy.Symbol, int], label: str, gen: torch.Generator) -> InputSet:
+    """The example inputs with dynamic dimensions set to `sizes` (others as in the example)."""
+    args, kwargs = ep.example_inputs
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    subs = {**_symbol_examples(ep), **sizes}
+    new_flat = []
+    for val, ex in zip(_user_input_vals(ep), flat):
+        if isinstance(val, torch.Tensor) and isinstance(ex, torch.Tensor):
+            shape = [int(sympy.sympify(d.node.expr).subs(subs)) if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
+            new_flat.append(ex if list(ex.shape) == shape else _like(ex, shape, gen))
+        else:
+            new_flat.append(ex)
+    new_args, new_kwargs = pytree.tree_unflatten(new_flat, spec)
+    return InputSet(label, new_args, new_kwargs)
+
+
+def dynamic_dims(ep: ExportedProgram) -> dict[str, tuple[sympy.Symbol, int, int | None]]:
+    """`<input>.<dim>` → (symbol, lowest, highest or None) for every dynamic dimension of a user input."""
+    dims: dict[str, tuple[sympy.Symbol, int, int | None]] = {}
+    for name, val in zip(ep.graph_signature.user_inputs, _user_input_vals(ep)):
+        if isinstance(val, torch.Tensor):
+            for i, d in enumerate(val.shape):
+                if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+                    vr = ep.range_constraints.get(d.node.expr)
+                    lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 0
+                    hi = int(vr.upper) if vr is not None and vr.upper.is_finite else None
+                    dims[f"{name}.{i}"] = (d.node.expr, lo, hi)
+    return dims
+
+
 def input_sets(ep: ExportedProgram, extra_sizes: int = 2, seed: int = 0) -> list[InputSet]:
     if ep.example_inputs is None:
         raise ValueError("the program carries no example inputs; export it with torch.export.export(model, args)")
     args, kwargs = ep.example_inputs
     sets = [InputSet("example", args, kwargs)]
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    vals = _user_input_vals(ep)
-    if len(vals) != len(flat):
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    if len(_user_input_vals(ep)) != len(flat):
         return sets  # unusual signature (e.g. non-tensor inputs folded away): check at the example only
-
-    examples: dict[sympy.Symbol, int] = {}
-    for val, ex in zip(vals, flat):
-        if isinstance(val, torch.Tensor) and isinstance(ex, torch.Tensor):
-            for dim, size in zip(val.shape, ex.shape):
-                if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
-                    examples[dim.node.expr] = int(size)
-
+    examples = _symbol_examples(ep)
     gen = torch.Generator().manual_seed(seed)
     for sym, example in sorted(examples.items(), key=lambda kv: str(kv[0])):
         lo, hi = _bounds(ep, sym, example)
         for value in _other_values(example, lo, hi, extra_sizes):
-            subs = {**examples, sym: value}
-            new_flat = []
-            for val, ex in zip(vals, flat):
-                if isinstance(val, torch.Tensor) and isinstance(ex, torch.Tensor):
-                    shape = [int(sympy.sympify(d.node.expr).subs(subs)) if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
-                    new_flat.append(ex if list(ex.shape) == shape else _like(ex, shape, gen))
-                else:
-                    new_flat.append(ex)
-            new_args, new_kwargs = pytree.tree_unflatten(new_flat, spec)
-            sets.append(InputSet(f"{sym}={value}", new_args, new_kwargs))
+            sets.append(inputs_at(ep, {sym: value}, f"{sym}={value}", gen))
     return sets

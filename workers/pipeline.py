@@ -22,15 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 from torch.export import ExportedProgram
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from workers.backends import Backend, LoweringError, resolve
 from workers.autotune_share import SharedAutotune, autotunes, benchmarked
 from workers.benchmark import measure
-from workers.inputs import input_sets
+from workers.inputs import dynamic_dims, input_sets, inputs_at
 from workers.keys import key_components, key_of
 from workers.program import ProgramError, load_program, program_identity, weights_digest
+from workers.specialize import specialize
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
 from workers.verify import verify
@@ -136,6 +138,8 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
         program_path = store.fetch(unit.program.digest, tmp / "program.pt2")
     with phase("load"):
         ep = load_program(program_path, f"{unit.source}", unit.modules)
+        if unit.specialize:
+            ep = _specialized(ep, *unit.specialize)
         identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
         built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
         result.components = key_components(identity, backend.target_components(unit.target), unit.target.options_dict)
@@ -203,6 +207,22 @@ def _benchmark(unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any, back
     result.device = backend.device_fingerprint(unit.target)
     log.note(f"eager {eager.median_ms:.3f} ms, compiled {fast.median_ms:.3f} ms ± {fast.spread_ms:.3f} (median and "
              f"interquartile range of {unit.bench.repeat} runs) on {result.device}")
+    dims = dynamic_dims(ep)
+    for where, size in unit.hot_sizes:  # where a specialization would compete with this artifact
+        if where in dims:
+            at = inputs_at(ep, {dims[where][0]: size}, f"{where}={size}", torch.Generator().manual_seed(0))
+            hot = measure(compiled, at, unit.bench.warmup, unit.bench.repeat)
+            result.metrics.update({f"compiled_ms@{where}={size}": hot.median_ms, f"compiled_spread_ms@{where}={size}": hot.spread_ms})
+            log.note(f"at {where}={size}: compiled {hot.median_ms:.3f} ms ± {hot.spread_ms:.3f}")
+
+
+def _specialized(ep: ExportedProgram, where: str, size: int) -> ExportedProgram:
+    try:
+        return specialize(ep, where, size)
+    except ValueError as e:
+        raise UnitFailed(f"cannot specialize {where}={size}: {e}") from e
+    except Exception as e:
+        raise UnitFailed(f"re-exporting at {where}={size} failed: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def _verify(unit: Unit, ep: ExportedProgram, compiled: Any, log: UnitLog, result: UnitResult):
@@ -249,7 +269,9 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
     result.device = manifest.get("device")
     built_with = manifest.get("weights", {}).get("built_with")
     swap = unit.target.weights == "shapes" and built_with != loaded.built_with
-    if not swap and not unit.remeasure:
+    unmeasured = [f"{w}={n}" for w, n in unit.hot_sizes if f"compiled_ms@{w}={n}" not in result.metrics]
+    remeasure = unit.remeasure or bool(unmeasured)  # hot sizes it was never measured at: measure now
+    if not swap and not remeasure:
         return
     artifact = store.fetch(result.artifact.digest, tmp / "artifact")
     compiled = loaded.backend.load(artifact, unit.target, loaded.ep)
@@ -261,7 +283,7 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
             raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: "
                              + "; ".join(report.problems) + ". Report it: the key should have told them apart")
         result.metrics.update(weights_swapped=1.0)
-    if unit.remeasure:  # retuning: the artifact stands, its latency is measured again here
+    if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
         with phase("benchmark"):
             _benchmark(unit, loaded.ep, compiled, input_sets(loaded.ep, 0)[0], loaded.backend, log, result)
 

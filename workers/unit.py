@@ -60,6 +60,8 @@ class Unit:
     timeout_s: float | None = None  # None: the job's limit
     lease_ttl_s: float = 60.0  # a compile whose worker shows no life for this long is taken over
     remeasure: bool = False  # on a hit, benchmark the stored artifact again (retuning)
+    specialize: tuple[str, int] | None = None  # compile the program with dimension `<input>.<dim>` fixed at a size
+    hot_sizes: tuple[tuple[str, int], ...] = ()  # also benchmark at these sizes (autotune compares specializations)
 
     @property
     def unit_id(self) -> str:
