@@ -19,7 +19,10 @@ CPU_PRESETS: dict[str, dict[str, Any]] = {
     "coordinate_descent_tuning": {"coordinate_descent_tuning": True},
     "single_thread": {"cpp.threads": 1},
 }
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {"aoti-cpu": CPU_PRESETS, "inductor-cache": CPU_PRESETS}
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "aoti-cpu": CPU_PRESETS,  # always a C++ wrapper: no wrapper choice to make
+    "inductor-cache": {**CPU_PRESETS, "cpp_wrapper": {"cpp_wrapper": True}},  # torch.compile: Python or C++ wrapper
+}
 DEFAULT_SPACE = ("default", "max_autotune", "freezing")
 
 
