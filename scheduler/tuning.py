@@ -52,7 +52,7 @@ def _finish(graph: str, label: str, members: list[tuple[Unit, UnitResult]], stor
     existing = store.get_manifest(tuned.key)
     if existing is not None and not retune:  # decided before: reuse it, measure nothing
         tuned.status, tuned.candidate = "hit", existing["autotune"]["winner"]
-        _take(tuned, existing, store)
+        _take(tuned, existing)
         return tuned
 
     configs = [(u, r) for u, r in members if u.specialize is None]
@@ -84,7 +84,7 @@ def _finish(graph: str, label: str, members: list[tuple[Unit, UnitResult]], stor
     elif not store.publish_manifest(tuned.key, manifest):  # a concurrent job decided first: its decision stands
         manifest = store.get_manifest(tuned.key)
     tuned.status, tuned.candidate = "compiled", manifest["autotune"]["winner"]
-    _take(tuned, manifest, store)
+    _take(tuned, manifest)
     return tuned
 
 
@@ -111,7 +111,7 @@ def _static(unit: Unit, r: UnitResult, winner: UnitResult) -> dict[str, Any]:
     return entry
 
 
-def _take(tuned: UnitResult, manifest: dict[str, Any], store: Store) -> None:
+def _take(tuned: UnitResult, manifest: dict[str, Any]) -> None:
     tuned.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
     tuned.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
     tuned.metrics.update(manifest.get("metrics", {}))

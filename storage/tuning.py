@@ -3,6 +3,8 @@
     tuning/<graph-digest>/<device-fp>.json      a tuning record: every candidate's measurements
                                                 and the decision (rewritten only on retune)
     tuning/inductor/<device-fp>/<digest>.json   Inductor's own kernel-choice timings, in shards
+    tuning/measured/<key>/<device-fp>.json      latencies of a compiled key measured after it was
+                                                published (at other sizes, or on retune)
 
 Inductor keeps the timings of the kernel choices it benchmarked under max-autotune in a
 per-host file. A worker publishes what its compile added as one shard, named by the digest
@@ -63,3 +65,19 @@ def put_tuning_record(store: Store, path: str, record: dict[str, Any]) -> None:
 def get_tuning_record(store: Store, path: str) -> dict[str, Any] | None:
     data = store.backend.read(path)
     return None if data is None else json.loads(data)
+
+
+def _measured_path(key: str, fingerprint: str) -> str:
+    for part in (key, fingerprint):
+        if not part or "/" in part:
+            raise ValueError(f"not a digest: {part!r}")
+    return f"tuning/measured/{key}/{fingerprint}.json"
+
+
+def get_measurements(store: Store, key: str, fingerprint: str) -> dict[str, float]:
+    data = store.backend.read(_measured_path(key, fingerprint))
+    return {} if data is None else json.loads(data)
+
+
+def put_measurements(store: Store, key: str, fingerprint: str, metrics: dict[str, float]) -> None:
+    store.backend.write(_measured_path(key, fingerprint), json.dumps(metrics, sort_keys=True).encode())

@@ -22,8 +22,11 @@ def _job(zoo_dir, sizes):
 @pytest.mark.slow
 def test_a_hot_size_is_compiled_measured_and_served(zoo_dir, tmp_path):
     store = store_from_uri(str(tmp_path / "store"))
+    # the default candidate is already in the store from a plain job, never timed at batch 8
+    plain = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
     outcome = execute(_job(zoo_dir, [8]), store)
     rows = {r.target: r for r in outcome.results}
+    assert rows["aoti-cpu[default]"].key == plain.results[0].key and rows["aoti-cpu[default]"].status == "hit"
     assert rows["aoti-cpu[x.0=8]"].status == "compiled", rows["aoti-cpu[x.0=8]"].error
     for name in ("default", "single_thread"):  # the dynamic candidates were also timed at the hot size
         assert rows[f"aoti-cpu[{name}]"].metrics["compiled_ms@x.0=8"] > 0
@@ -56,3 +59,14 @@ def test_a_dimension_that_is_not_dynamic_is_rejected(zoo_dir, tmp_path):
             {"backend": "aoti-cpu", "autotune": {"specialize": {"x.1": [4]}}}]}), store_from_uri(str(tmp_path)))
     with pytest.raises(SpecError, match="name a dimension as <input>.<dim>"):
         parse_job({"graphs": ["m.pt2"], "targets": [{"backend": "aoti-cpu", "autotune": {"specialize": {"batch": [4]}}}]})
+
+
+@pytest.mark.slow
+def test_hot_size_timings_of_a_hit_are_kept_so_the_job_again_measures_nothing(zoo_dir, tmp_path):
+    store = store_from_uri(str(tmp_path / "store"))
+    execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
+    first = execute(_job(zoo_dir, [4]), store)
+    assert "benchmark" in {r.target: r for r in first.results}["aoti-cpu[default]"].timings  # timed at batch 4
+    again = execute(_job(zoo_dir, [4]), store)
+    assert {r.target: r.status for r in again.results}["aoti-cpu (autotuned)"] == "hit"
+    assert not any("benchmark" in r.timings for r in again.results)

@@ -27,7 +27,8 @@ from torch.export import ExportedProgram
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from workers.backends import Backend, LoweringError, resolve
-from workers.autotune_share import SharedAutotune, autotunes, benchmarked
+from storage.tuning import get_measurements, put_measurements
+from workers.autotune_share import SharedAutotune, autotunes, benchmarked, fingerprint_of
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
 from workers.keys import key_components, key_of
@@ -269,8 +270,11 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
     result.device = manifest.get("device")
     built_with = manifest.get("weights", {}).get("built_with")
     swap = unit.target.weights == "shapes" and built_with != loaded.built_with
+    device = fingerprint_of(loaded.backend.device_fingerprint(unit.target))
+    if unit.target.candidate is not None and not unit.remeasure:  # measured again after it was published?
+        result.metrics.update(get_measurements(store, result.key, device))
     unmeasured = [f"{w}={n}" for w, n in unit.hot_sizes if f"compiled_ms@{w}={n}" not in result.metrics]
-    remeasure = unit.remeasure or bool(unmeasured)  # hot sizes it was never measured at: measure now
+    remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
     if not swap and not remeasure:
         return
     artifact = store.fetch(result.artifact.digest, tmp / "artifact")
@@ -286,6 +290,7 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
     if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
         with phase("benchmark"):
             _benchmark(unit, loaded.ep, compiled, input_sets(loaded.ep, 0)[0], loaded.backend, log, result)
+        put_measurements(store, result.key, device, {k: v for k, v in result.metrics.items() if "_ms" in k})
 
 
 def _publish(unit: Unit, store: Store, ready: Compiled, log: UnitLog, result: UnitResult, timings: dict[str, float]) -> None:
