@@ -260,7 +260,9 @@ def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> L
 def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp: Path, log: UnitLog, phase: Phases,
          result: UnitResult) -> None:
     """A manifest exists. With `weights: shapes` and another checkpoint's weights, show that the
-    artifact runs with ours and matches our program run eagerly before calling it a hit."""
+    artifact runs with ours and matches our program run eagerly before calling it a hit. An
+    autotune candidate takes latencies measured since publishing, and measures the stored
+    artifact again on retune or at a hot size it was never timed at on this device."""
     result.status = "hit"
     result.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
     result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
