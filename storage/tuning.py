@@ -23,10 +23,15 @@ from storage.store import Store
 Entry = tuple[str, str, str, str, float]
 
 
+def _segment(part: str) -> str:
+    """A digest or fingerprint used as one path segment."""
+    if not part or "/" in part or part in ("inductor", "measured"):
+        raise ValueError(f"not a digest: {part!r}")
+    return part
+
+
 def _prefix(fingerprint: str) -> str:
-    if not fingerprint or "/" in fingerprint:
-        raise ValueError(f"not a device fingerprint: {fingerprint!r}")
-    return f"tuning/inductor/{fingerprint}/"
+    return f"tuning/inductor/{_segment(fingerprint)}/"
 
 
 def put_inductor_shard(store: Store, fingerprint: str, device: dict[str, Any], entries: list[Entry]) -> str | None:
@@ -52,26 +57,15 @@ def inductor_entries(store: Store, fingerprint: str) -> list[Entry]:
 
 
 def record_path(graph_digest: str, fingerprint: str) -> str:
-    for part in (graph_digest, fingerprint):
-        if not part or "/" in part or part == "inductor":
-            raise ValueError(f"not a digest: {part!r}")
-    return f"tuning/{graph_digest}/{fingerprint}.json"
+    return f"tuning/{_segment(graph_digest)}/{_segment(fingerprint)}.json"
 
 
 def put_tuning_record(store: Store, path: str, record: dict[str, Any]) -> None:
     store.backend.write(path, json.dumps(record, indent=1, sort_keys=True).encode())
 
 
-def get_tuning_record(store: Store, path: str) -> dict[str, Any] | None:
-    data = store.backend.read(path)
-    return None if data is None else json.loads(data)
-
-
 def _measured_path(key: str, fingerprint: str) -> str:
-    for part in (key, fingerprint):
-        if not part or "/" in part:
-            raise ValueError(f"not a digest: {part!r}")
-    return f"tuning/measured/{key}/{fingerprint}.json"
+    return f"tuning/measured/{_segment(key)}/{_segment(fingerprint)}.json"
 
 
 def get_measurements(store: Store, key: str, fingerprint: str) -> dict[str, float]:

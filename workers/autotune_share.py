@@ -38,10 +38,13 @@ def benchmarked() -> int:
     return int(counters["inductor"]["select_algorithm_autotune"])
 
 
-def _local_entries() -> list[Entry]:
+def _local_cache() -> dict[str, Any]:
     from torch._inductor.codecache import PersistentCache
 
-    cache = PersistentCache().get_local_cache()
+    return PersistentCache().get_local_cache()
+
+
+def _entries(cache: dict[str, Any]) -> list[Entry]:
     return [(op, inputs, precision, choice, float(ms))
             for op, by_inputs in cache.items()
             for inputs, by_precision in by_inputs.items()
@@ -49,7 +52,8 @@ def _local_entries() -> list[Entry]:
             for choice, ms in by_choice.items()]
 
 
-def _merge_into_local(entries: list[Entry]) -> int:
+def _merge_into_local(entries: list[Entry]) -> tuple[int, dict[str, Any]]:
+    """Add the entries the local cache lacks; how many were added, and the cache as it now is."""
     from torch._inductor.codecache import PersistentCache
 
     cache = PersistentCache()
@@ -62,7 +66,7 @@ def _merge_into_local(entries: list[Entry]) -> int:
             added += 1
     if added:
         cache.update_local_cache(local)
-    return added
+    return added, local
 
 
 @dataclass
@@ -78,10 +82,10 @@ class SharedAutotune:
         return fingerprint_of(self.device)
 
     def seed(self) -> None:
-        self.seeded = _merge_into_local(inductor_entries(self.store, self.fingerprint))
-        self._known = frozenset(e[:4] for e in _local_entries())
+        self.seeded, local = _merge_into_local(inductor_entries(self.store, self.fingerprint))
+        self._known = frozenset(e[:4] for e in _entries(local))
 
     def collect(self) -> None:
-        new = [e for e in _local_entries() if e[:4] not in self._known]
+        new = [e for e in _entries(_local_cache()) if e[:4] not in self._known]
         put_inductor_shard(self.store, self.fingerprint, self.device, new)
         self.published = len(new)

@@ -26,8 +26,8 @@ import torch
 from torch.export import ExportedProgram
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
-from workers.backends import Backend, LoweringError, resolve
 from storage.tuning import get_measurements, put_measurements
+from workers.backends import Backend, LoweringError, resolve
 from workers.autotune_share import SharedAutotune, autotunes, benchmarked, fingerprint_of
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
@@ -60,6 +60,21 @@ class Phases:
             yield
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+
+@contextmanager
+def own_inductor_config() -> Iterator[None]:
+    """Restore every Inductor setting after a lowering. A worker runs many units in one process,
+    and `aoti_compile_and_package` leaves `aot_inductor.metadata` filled in; that setting is part
+    of Inductor's FX graph cache key, so a later torch.compile in the same process would key
+    its cache entries differently from a fresh serving process."""
+    from torch._inductor import config
+
+    saved = config.save_config()  # a pickled deep copy: survives settings mutated in place
+    try:
+        yield
+    finally:
+        config.load_config(saved)
 
 
 class _Miss(Exception):
@@ -175,15 +190,17 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
             log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}")
         before = benchmarked()
         try:
-            artifact = backend.lower(ep, unit.target, tmp)
+            with own_inductor_config():
+                artifact = backend.lower(ep, unit.target, tmp)
         except LoweringError:
             raise
         except Exception as e:
             raise UnitFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
-        result.metrics["autotune_benchmarked"] = float(benchmarked() - before)
+        measured_here = benchmarked() - before
+        result.metrics["autotune_benchmarked"] = float(measured_here)
         if shared:
             shared.collect()
-            log.note(f"autotuning: benchmarked {benchmarked() - before} kernel selections here, "
+            log.note(f"autotuning: benchmarked {measured_here} kernel selections here, "
                      f"gave {shared.published} new timings to the farm")
             result.metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
 
@@ -272,6 +289,8 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
     result.device = manifest.get("device")
     built_with = manifest.get("weights", {}).get("built_with")
     swap = unit.target.weights == "shapes" and built_with != loaded.built_with
+    if unit.target.candidate is None and not swap:  # a plain hit: the manifest says it all
+        return
     device = fingerprint_of(loaded.backend.device_fingerprint(unit.target))
     if unit.target.candidate is not None and not unit.remeasure:  # measured again after it was published?
         result.metrics.update(get_measurements(store, result.key, device))

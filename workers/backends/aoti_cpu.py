@@ -19,7 +19,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa
-from workers.backends.base import LoweringError, own_inductor_config
+from workers.backends.base import LoweringError
 from workers.unit import Target
 
 WEIGHTS_OUT_OF_CODE = {
@@ -59,7 +59,7 @@ class AotiCpu(cpu_isa.PinnedCpuTarget):
         if target.weights == "shapes":
             configs.update(WEIGHTS_OUT_OF_CODE)
         out = workdir / "artifact.pt2"
-        with cpu_isa.only_vec_isa(isa.vec_isa), own_inductor_config():
+        with cpu_isa.only_vec_isa(isa.vec_isa):
             path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=configs)
         recorded = package_metadata(Path(path)).get("AOTI_CPU_ISA", "")
         if recorded != isa.recorded:

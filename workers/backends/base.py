@@ -1,9 +1,8 @@
 """The plug-in point for lowering targets: one protocol, one file per backend."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 from torch.export import ExportedProgram
 
@@ -48,17 +47,3 @@ class Backend(Protocol):
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         """Facts about the artifact for the manifest (format, ISA recorded in it, how to load)."""
 
-
-@contextlib.contextmanager
-def own_inductor_config() -> Iterator[None]:
-    """Restore every Inductor setting afterwards. A worker runs many units in one process, and
-    `aoti_compile_and_package` leaves `aot_inductor.metadata` filled in; that setting is part
-    of Inductor's FX graph cache key, so a later torch.compile in the same process would key
-    its cache entries differently from a fresh serving process."""
-    from torch._inductor import config
-
-    saved = config.save_config()  # a pickled deep copy: survives settings mutated in place
-    try:
-        yield
-    finally:
-        config.load_config(saved)

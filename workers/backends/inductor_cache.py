@@ -20,7 +20,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa
-from workers.backends.base import LoweringError, own_inductor_config
+from workers.backends.base import LoweringError
 from workers.inputs import input_sets
 from workers.unit import Target
 
@@ -48,9 +48,8 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         torch._dynamo.reset()  # a long-lived worker: forget what earlier units compiled
         CacheArtifactManager.clear()  # …and what they recorded, so the bundle holds this unit only
         run = _compiled(ep.module(), self._configs(target), self.isa(target)[1].vec_isa)
-        with own_inductor_config():
-            for inputs in input_sets(ep):
-                run(*inputs.args, **inputs.kwargs)
+        for inputs in input_sets(ep):
+            run(*inputs.args, **inputs.kwargs)
         saved = torch.compiler.save_cache_artifacts()
         if saved is None or not saved[1].artifacts.get("inductor"):
             raise LoweringError("torch.compile recorded no Inductor cache artifacts (did every call fall back to eager?)")
