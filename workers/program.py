@@ -8,11 +8,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.export import ExportedProgram
+
+from workers.archive import ArchiveLimits, HostileArchive, check_archive
 
 
 class ProgramError(Exception):
@@ -27,18 +30,27 @@ def import_modules(modules: list[str]) -> None:
             raise ProgramError(f"cannot import module {name!r} named in the job's `modules`: {e}") from e
 
 
-def load_program(path: Path, label: str, modules: list[str] = ()) -> ExportedProgram:
-    """Load a torch.export.save archive, turning torch's generic errors into actionable ones."""
+def load_program(path: Path, label: str, modules: list[str] = (), limits: ArchiveLimits = ArchiveLimits()) -> ExportedProgram:
+    """Load a torch.export.save archive, turning torch's generic errors into actionable ones.
+
+    The archive is hostile until checked (workers/archive.py); torch's loader then runs with
+    every `torch.load` forced to `weights_only=True`, so even a member the check missed cannot
+    reach the full unpickler, and the graph may only call operators."""
     from torch.export.pt2_archive._package import load_pt2
 
     import_modules(list(modules))
     path = Path(path)
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != b"PK\x03\x04":
+    if magic and magic != b"PK\x03\x04":
         raise ProgramError(f"{label} is not a .pt2 archive: save the program with torch.export.save(ep, 'model.pt2')")
     try:
-        contents = load_pt2(str(path))
+        check_archive(path, label, limits)
+    except HostileArchive as e:
+        raise ProgramError(str(e)) from e
+    try:
+        with weights_only_loads():
+            contents = load_pt2(str(path))
     except NotImplementedError as e:
         if "pytree is not registered" in str(e):
             raise ProgramError(
@@ -50,10 +62,65 @@ def load_program(path: Path, label: str, modules: list[str] = ()) -> ExportedPro
         if "zip archive" in str(e):
             raise ProgramError(f"{label} is a truncated or corrupt .pt2 archive ({str(e).split('.')[0]}); export and save it again") from e
         raise ProgramError(f"{label} could not be deserialized: {e}") from e
+    except (AssertionError, KeyError, TypeError, ValueError, AttributeError) as e:  # torch's deserializer on bad input
+        raise ProgramError(f"{label} could not be deserialized: {type(e).__name__}: {e}") from e
     if "model" not in contents.exported_programs:
         found = sorted(contents.exported_programs) or "none"
         raise ProgramError(f"{label} holds no program named 'model' (found: {found}); save it with torch.export.save")
-    return contents.exported_programs["model"]
+    ep = contents.exported_programs["model"]
+    problem = foreign_call(ep)
+    if problem:
+        raise ProgramError(f"{label}: {problem}; the farm only runs graphs of operators")
+    return ep
+
+
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """torch's deserializer falls back to `torch.load(weights_only=False)`; make every load safe."""
+    original = torch.load
+
+    def safe_load(*args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    torch.load = safe_load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+SAFE_PYTHON_OPS = {"getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq",
+                   "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift", "rshift"}
+
+
+def foreign_call(ep: ExportedProgram) -> str | None:
+    """Why the graph calls something that is not an operator (e.g. `torch.os.system`, which
+    torch's deserializer resolves by attribute lookup), or None."""
+    import math
+    import operator
+
+    for mod in ep.graph_module.modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            continue
+        for node in mod.graph.nodes:
+            if node.op in ("call_method", "call_module"):
+                return f"node {node.name} is a {node.op}, which exported programs never hold"
+            if node.op != "call_function":
+                continue
+            t = node.target
+            if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+                continue
+            name = getattr(t, "__name__", "")
+            if getattr(operator, name, None) is t and name in SAFE_PYTHON_OPS or getattr(math, name, None) is t:
+                continue
+            if getattr(torch, name, None) is t and name.startswith(("sym_", "_sym_")):
+                continue
+            if t in (torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                     torch.amp.autocast_mode._exit_autocast):
+                continue
+            return f"node {node.name} calls {getattr(t, '__module__', '?')}.{name or t!r}, which is not an operator"
+    return None
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
