@@ -116,9 +116,10 @@ def submit(
         job = load_job(job_file)
     except SpecError as e:
         raise _fail(str(e)) from e
+    if timeout:
+        job = job.model_copy(update={"limits": job.limits.model_copy(update={"timeout_s": timeout})})
     limits = job.limits
-    config = PoolConfig(workers=workers or limits.workers, timeout_s=timeout or limits.timeout_s,
-                        retries=limits.retries if retries is None else retries)
+    config = PoolConfig(workers=workers or limits.workers, retries=limits.retries if retries is None else retries)
     job_id = new_job_id(job.name)
     with ray_session(address) as session:
         if session.dashboard:

@@ -8,6 +8,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workers.autotune import DEFAULT_SPACE, resolve_space
+from workers.unit import UnitLimits
 
 
 class SpecError(ValueError):
@@ -107,10 +108,13 @@ class BenchmarkSpec(_Strict):
 
 
 class LimitsSpec(_Strict):
-    timeout_s: float = Field(1800, gt=0, description="a unit still compiling after this is failed with reason timeout")
+    timeout_s: float = Field(UnitLimits.timeout_s, gt=0, description="a unit still running after this is failed with reason timeout")
     retries: int = Field(2, ge=0, description="times a unit is re-queued when its worker dies")
     workers: int | None = Field(None, ge=1, description="workers per device class (default: every slot offered)")
     lease_s: float = Field(60, gt=0, description="a compile whose worker shows no life for this long is taken over")
+    memory_gb: float = Field(UnitLimits.memory_gb, gt=0, description="memory of a unit's sandbox, compilers included")
+    file_gb: float = Field(UnitLimits.file_gb, gt=0, description="largest file a unit's sandbox may write")
+    archive_gb: float = Field(UnitLimits.archive_gb, gt=0, description="a graph archive's members, decompressed, in all")
 
 
 class JobSpec(_Strict):

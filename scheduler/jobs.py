@@ -19,6 +19,7 @@ from storage import Store
 from storage.results import write_results
 from storage.stats import JobStats, write_stats
 from workers.pipeline import run_unit
+from workers.sandbox import Sandbox
 from workers.unit import Unit, UnitResult
 
 STATUS_FILE = "status.json"
@@ -40,11 +41,12 @@ Runner = Callable[[list[Unit], Store, Events], Iterable[tuple[Unit, UnitResult]]
 
 
 def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:
-    for unit in units:
-        events.started(unit)
-        result = run_unit(unit, store)
-        events.finished(unit, result)
-        yield unit, result
+    with Sandbox() as sandbox:  # one warm child for the whole job
+        for unit in units:
+            events.started(unit)
+            result = run_unit(unit, store, sandbox)
+            events.finished(unit, result)
+            yield unit, result
 
 
 def _now() -> str:

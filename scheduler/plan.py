@@ -9,7 +9,7 @@ from pathlib import Path
 
 from farm.spec import JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
-from workers.unit import BenchPolicy, Target, Unit, VerifyPolicy
+from workers.unit import BenchPolicy, Target, Unit, UnitLimits, VerifyPolicy
 
 
 def ingest(store: Store, source: str) -> BlobRef:
@@ -32,6 +32,12 @@ def ingest(store: Store, source: str) -> BlobRef:
 
 def _target(t: TargetSpec, job: JobSpec) -> Target:
     return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())), weights=job.weights)
+
+
+def limits(job: JobSpec, t: TargetSpec) -> UnitLimits:
+    lim = job.limits
+    return UnitLimits(timeout_s=t.timeout_s or lim.timeout_s, memory_gb=lim.memory_gb, file_gb=lim.file_gb,
+                      archive_gb=lim.archive_gb)
 
 
 def plan(job: JobSpec, store: Store) -> list[Unit]:
@@ -57,7 +63,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
                 modules=tuple(job.modules) + tuple(graph.modules),
                 verify=verify,
                 bench=bench,
-                timeout_s=t.timeout_s,
+                limits=limits(job, t),
                 lease_ttl_s=job.limits.lease_s,
             )
             units.extend(_candidates(unit, t) if t.autotune else [unit])
@@ -83,22 +89,27 @@ def _candidates(unit: Unit, t: TargetSpec) -> list[Unit]:
 def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None:
     """Hot sizes must lie inside their dimension's range: checked against each program before
     anything runs, so a job with an impossible specialization is rejected as it loads."""
-    from workers.program import ProgramError, load_program
-    from workers.specialize import specialization_problems
+    import time
+
+    from workers.sandbox import Sandbox, SandboxFailed
 
     asked = [(i, t) for i, t in enumerate(job.targets) if t.autotune and t.autotune.specialize]
-    programs = {(u.graph, u.program) for u in units if u.program is not None}
+    programs = {u.graph: u for u in units if u.program is not None}
     if not asked or not programs:
         return
-    with tempfile.TemporaryDirectory(prefix="farm-check-") as tmp:
-        for graph, ref in sorted(programs, key=lambda p: p[0]):
-            try:
-                ep = load_program(store.fetch(ref.digest, Path(tmp) / "program.pt2"), graph)
-            except ProgramError:
-                continue  # its units fail with the reason; nothing to check against
+    with tempfile.TemporaryDirectory(prefix="farm-check-") as tmp, Sandbox() as sandbox:  # graphs are hostile input
+        for graph, unit in sorted(programs.items()):
+            program = store.fetch(unit.program.digest, Path(tmp) / "program.pt2")
             for i, t in asked:
-                for where, sizes in t.autotune.specialize.items():
-                    problems = specialization_problems(ep, where, sizes)
+                try:
+                    reply = sandbox.call("specialization_problems", Path(tmp), unit.limits,
+                                         time.monotonic() + unit.limits.timeout_s, unit=unit, program=str(program),
+                                         asked=list(t.autotune.specialize.items()))
+                except SandboxFailed:
+                    break  # its units fail with the reason; nothing to check against
+                found = reply.get("problems") if isinstance(reply.get("problems"), dict) else {}
+                for where in t.autotune.specialize:
+                    problems = [str(p) for p in found.get(where) or []]
                     if problems:
                         raise SpecError(f"graph {graph}: targets.{i}.autotune.specialize.{where}: "
                                         + "; ".join(problems) + "; list sizes inside the range, or drop the dimension")

@@ -22,15 +22,18 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from storage import CacheConfig, Store, store_from_uri
 from workers.backends import LoweringError, resolve
 from workers.pipeline import lookup_unit, run_unit
+from workers.sandbox import Sandbox
 from workers.unit import Unit, UnitResult
 
 POLL_S = 0.5
+# A unit's sandbox is killed at its timeout and the unit reported; the worker itself is only
+# killed if it has not answered this long after that (it is stuck outside the sandbox).
+WORKER_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
 class PoolConfig:
     workers: int | None = None  # per device class; None: every slot the cluster offers
-    timeout_s: float = 1800.0
     retries: int = 2
 
 
@@ -40,13 +43,16 @@ class CompileWorker:
     def __init__(self, store_uri: str):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
-        import torch._inductor  # noqa: F401  (pay the import once, before the first unit)
+        self.sandbox = Sandbox()  # warm across units; replaced after a unit that failed in it
 
     def pid(self) -> int:
         return os.getpid()
 
+    def sandbox_pid(self) -> int | None:
+        return self.sandbox.pid
+
     def run(self, unit: Unit) -> UnitResult:
-        result = run_unit(unit, self.store)
+        result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
         return result
 
@@ -107,19 +113,8 @@ class RayRunner:
     def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         self._store_uri = store.uri
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
-        for unit in units:
-            resource = _route(unit)
-            if resource is None:  # cannot be placed anywhere: fail it here, quickly, with the reason
-                events.started(unit)
-                result = run_unit(unit, store)
-                events.finished(unit, result)
-                yield unit, result
-            elif self.lookup_first and (hit := lookup_unit(unit, store)) is not None:
-                events.finished(unit, hit)
-                yield unit, hit
-            else:
-                queues[resource].append(_Pending(unit))
-
+        with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
+            yield from self._place(units, store, events, queues, sandbox)
         self._offered = ray.cluster_resources()
         for resource in [r for r in queues if int(self._offered.get(r, 0)) == 0]:
             for p in queues.pop(resource):
@@ -140,6 +135,22 @@ class RayRunner:
         finally:
             for slot in self.slots:
                 ray.kill(slot.actor, no_restart=True)
+
+    def _place(self, units, store: Store, events, queues, sandbox: Sandbox) -> Iterator[tuple[Unit, UnitResult]]:
+        """Queue each unit for its device class, after failing what cannot be placed and answering
+        hits here when lookup_first is on."""
+        for unit in units:
+            resource = _route(unit)
+            if resource is None:  # cannot be placed anywhere: fail it here, quickly, with the reason
+                events.started(unit)
+                result = run_unit(unit, store, sandbox)
+                events.finished(unit, result)
+                yield unit, result
+            elif self.lookup_first and (hit := lookup_unit(unit, store, sandbox)) is not None:
+                events.finished(unit, hit)
+                yield unit, hit
+            else:
+                queues[resource].append(_Pending(unit))
 
     def _most_starved(self, queues) -> str | None:
         """The device class with the fewest workers per queued unit, among those with fewer workers
@@ -191,9 +202,10 @@ class RayRunner:
                     except RayTaskError as e:  # a bug in the pipeline, not in the unit
                         slot.unit = slot.future = None
                         result = _failed(unit, f"worker raised {e.cause!r}")
-                elif now - slot.started > (limit := unit.timeout_s or self.config.timeout_s):
+                elif now - slot.started > (limit := unit.limits.timeout_s) + WORKER_GRACE_S:
                     self._restart(slot)
-                    result = _failed(unit, f"timeout: still compiling after {limit:g}s; its worker was replaced")
+                    result = _failed(unit, f"timeout: still running {WORKER_GRACE_S:g}s after its {limit:g}s limit, "
+                                           f"outside its sandbox; its worker was replaced")
                 else:
                     continue
                 result.retries = retries

@@ -1,6 +1,11 @@
-"""The life of one unit, as a plain function of (unit, store) that runs in any process:
+"""The life of one unit, as a plain function of (unit, store, sandbox) that runs in any process:
 
-    fetch → load → key → (hit? stop) → lease → lower → verify → benchmark → upload → publish
+    fetch → identify → key → (hit? stop) → lease → lower → verify → benchmark → upload → publish
+
+Everything that touches the graph or the artifact (identify, lower, verify, benchmark) runs
+in the sandbox child (workers/sandbox.py, workers/steps.py); this process only talks to the
+store, holds the lease and decides. It trusts nothing the child says beyond numbers, digests
+and a path inside the unit's temp dir.
 
 The lease makes concurrent jobs compile each key once: whoever holds it compiles, everyone
 else waits for the manifest (see storage/leases.py).
@@ -13,32 +18,26 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import re
 import secrets
 import socket
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-from torch.export import ExportedProgram
-
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from storage.tuning import get_measurements, put_measurements
+from workers.autotune_share import SharedAutotune, autotunes, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
-from workers.autotune_share import SharedAutotune, autotunes, benchmarked, fingerprint_of
-from workers.benchmark import measure
-from workers.inputs import dynamic_dims, input_sets, inputs_at
 from workers.keys import key_components, key_of
-from workers.program import ProgramError, load_program, program_identity, weights_digest
-from workers.specialize import specialize
+from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
-from workers.verify import verify
 
-
+DIGEST = re.compile(r"[0-9a-f]{64}")
 class UnitFailed(Exception):
     def __init__(self, message: str, retryable: bool = False):
         super().__init__(message)
@@ -62,51 +61,72 @@ class Phases:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
 
-@contextmanager
-def own_inductor_config() -> Iterator[None]:
-    """Restore every Inductor setting after a lowering. A worker runs many units in one process,
-    and `aoti_compile_and_package` leaves `aot_inductor.metadata` filled in; that setting is part
-    of Inductor's FX graph cache key, so a later torch.compile in the same process would key
-    its cache entries differently from a fresh serving process."""
-    from torch._inductor import config
-
-    saved = config.save_config()  # a pickled deep copy: survives settings mutated in place
-    try:
-        yield
-    finally:
-        config.load_config(saved)
-
-
 class _Miss(Exception):
     """Raised in a hits-only lookup when the key has no manifest."""
 
 
-def lookup_unit(unit: Unit, store: Store) -> UnitResult | None:
+@dataclass
+class _Ctx:
+    """What every stage of one unit needs."""
+    unit: Unit
+    store: Store
+    sandbox: Sandbox
+    tmp: Path
+    log: UnitLog
+    phase: Phases
+    result: UnitResult
+    deadline: float  # monotonic: the sandbox is killed past it
+    backend: Backend = field(init=False)
+
+    def step(self, name: str, **kwargs: Any) -> dict[str, Any]:
+        """Run a step in the sandbox; its output goes to the unit log, its failure fails the unit."""
+        try:
+            reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline, unit=self.unit, **kwargs)
+        except SandboxFailed as e:
+            self.log.output(e.output, "the sandbox")
+            raise UnitFailed(str(e), e.retryable) from None
+        self.log.output(reply.pop("output", ""), "the sandbox")
+        return reply
+
+    def inside(self, reported: Any) -> Path:
+        """A path the sandbox reported, only if it is a plain file in the unit's temp dir."""
+        path = Path(str(reported))
+        if path.is_symlink() or not path.is_file() or not path.resolve().is_relative_to(self.tmp.resolve()):
+            raise UnitFailed(f"the sandbox reported an artifact outside the unit's temp dir ({str(reported)[:200]})")
+        return path
+
+
+def lookup_unit(unit: Unit, store: Store, sandbox: Sandbox) -> UnitResult | None:
     """The unit's result if its key is already in the store (a hit), else None; compiles nothing.
 
     A scheduler whose own process computes keys exactly as its workers would (same toolchain)
     can answer hits without starting any worker."""
-    result = run_unit(unit, store, hits_only=True)
+    result = run_unit(unit, store, sandbox, hits_only=True)
     return result if result.status == "hit" else None
 
 
-def run_unit(unit: Unit, store: Store, workdir: Path | None = None, hits_only: bool = False) -> UnitResult:
+def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: Path | None = None,
+             hits_only: bool = False) -> UnitResult:
+    """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds)."""
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
     result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
     phases = Phases()
     start = time.perf_counter()
     moved = store.transfer.copy()
-    with tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir) as tmp, contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as held:
+        tmp = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir)))
+        sandbox = sandbox or held.enter_context(Sandbox())
+        ctx = _Ctx(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
         try:
             with log.capture():  # ends before publishing, so the published log is complete
-                ready = _compile(unit, store, Path(tmp), log, phases, result, held, hits_only)
+                ready = _compile(ctx, held, hits_only)
             if ready is not None:
                 with phases("upload"):
                     _publish(unit, store, ready, log, result, phases.timings)
         except _Miss:
             result.status = "skipped"  # a hits-only lookup that found no manifest
             return result
-        except (UnitFailed, ProgramError, LoweringError) as e:
+        except (UnitFailed, LoweringError) as e:
             result.status, result.error = "failed", f"graph {unit.graph} ({unit.target.label}): {e}"
             result.retryable = getattr(e, "retryable", False)
             log.note(f"FAILED in {phases.current}: {e}")
@@ -137,66 +157,49 @@ class Compiled:
     built_with: str  # digest of the weight values the artifact was built and verified with
 
 
-@dataclass
-class Loaded:
-    ep: ExportedProgram
-    backend: Backend
-    built_with: str
-
-
-def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, result: UnitResult,
-             held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
+def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
+    unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
     if unit.program is None:
         raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
-    backend = resolve(unit.target)
+    ctx.backend = resolve(unit.target)
 
     with phase("fetch"):
-        program_path = store.fetch(unit.program.digest, tmp / "program.pt2")
+        program_path = store.fetch(unit.program.digest, ctx.tmp / "program.pt2")
     with phase("load"):
-        ep = load_program(program_path, f"{unit.source}", unit.modules)
-        if unit.specialize:
-            ep = _specialized(ep, *unit.specialize)
-        identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
-        built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
-        result.components = key_components(identity, backend.target_components(unit.target), unit.target.options_dict)
+        reply = ctx.step("identify", program=str(program_path))
+        identity, built_with = _identity(reply)
+        result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict)
         result.key = key_of(result.components)
     log.note(f"key {result.key} (weights: {unit.target.weights})")
-    loaded = Loaded(ep, backend, built_with)
 
     manifest = store.get_manifest(result.key)
     if manifest is not None:
         log.note("hit: a manifest exists, nothing to compile")
-        _hit(unit, store, manifest, loaded, tmp, log, phase, result)
+        _hit(ctx, manifest, built_with)
         return None
     if hits_only:
         raise _Miss
 
-    problem = backend.host_problem(unit.target)
+    problem = ctx.backend.host_problem(unit.target)
     if problem:
         raise UnitFailed(problem, retryable=True)
 
     claim = _claim(unit, store, result.key, log, phase)
     if not isinstance(claim, Lease):
         log.note("hit: another worker compiled this key while we waited")
-        _hit(unit, store, claim, loaded, tmp, log, phase, result)
+        _hit(ctx, claim, built_with)
         return None
     held.enter_context(claim)  # renewed while we compile and publish, released after
 
     with phase("lower"):
-        log.note(f"lowering with {backend.name} options={unit.target.options_dict}")
-        shared = SharedAutotune(store, backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
+        log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
+        shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
         if shared:
             shared.seed()
             log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}")
-        before = benchmarked()
-        try:
-            with own_inductor_config():
-                artifact = backend.lower(ep, unit.target, tmp)
-        except LoweringError:
-            raise
-        except Exception as e:
-            raise UnitFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
-        measured_here = benchmarked() - before
+        lowered = ctx.step("lower", workdir=str(ctx.tmp))
+        artifact = ctx.inside(lowered.get("artifact"))
+        measured_here = _count(lowered.get("autotune_benchmarked"))
         result.metrics["autotune_benchmarked"] = float(measured_here)
         if shared:
             shared.collect()
@@ -205,53 +208,45 @@ def _compile(unit: Unit, store: Store, tmp: Path, log: UnitLog, phase: Phases, r
             result.metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
 
     with phase("verify"):
-        compiled = backend.load(artifact, unit.target, ep)
-        report, sets = _verify(unit, ep, compiled, log, result)
-        if not report.ok:
-            raise UnitFailed("verification failed: " + "; ".join(report.problems))
-
+        checked = _check(ctx, artifact, verify_it=True, bench_it=False)
     with phase("benchmark"):
-        _benchmark(unit, ep, compiled, sets[0], backend, log, result)
-
-    return Compiled(artifact, result.components, backend.describe(artifact, unit.target), report.checked, built_with)
-
-
-def _benchmark(unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any, backend: Backend, log: UnitLog,
-               result: UnitResult) -> None:
-    eager = measure(ep.module(), inputs, unit.bench.warmup, unit.bench.repeat)
-    fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat)
-    result.metrics.update(eager_ms=eager.median_ms, compiled_ms=fast.median_ms, compiled_spread_ms=fast.spread_ms,
-                          speedup=eager.median_ms / fast.median_ms)
-    result.device = backend.device_fingerprint(unit.target)
-    log.note(f"eager {eager.median_ms:.3f} ms, compiled {fast.median_ms:.3f} ms ± {fast.spread_ms:.3f} (median and "
-             f"interquartile range of {unit.bench.repeat} runs) on {result.device}")
-    dims = dynamic_dims(ep)
-    for where, size in unit.hot_sizes:  # where a specialization would compete with this artifact
-        if where in dims:
-            at = inputs_at(ep, {dims[where][0]: size}, f"{where}={size}", torch.Generator().manual_seed(0))
-            hot = measure(compiled, at, unit.bench.warmup, unit.bench.repeat)
-            result.metrics.update({f"compiled_ms@{where}={size}": hot.median_ms, f"compiled_spread_ms@{where}={size}": hot.spread_ms})
-            log.note(f"at {where}={size}: compiled {hot.median_ms:.3f} ms ± {hot.spread_ms:.3f}")
+        _check(ctx, artifact, verify_it=False, bench_it=True)
+    facts = lowered.get("facts") if isinstance(lowered.get("facts"), dict) else {}
+    return Compiled(artifact, result.components, _plain(facts), checked, built_with)
 
 
-def _specialized(ep: ExportedProgram, where: str, size: int) -> ExportedProgram:
-    try:
-        return specialize(ep, where, size)
-    except ValueError as e:
-        raise UnitFailed(f"cannot specialize {where}={size}: {e}") from e
-    except Exception as e:
-        raise UnitFailed(f"re-exporting at {where}={size} failed: {type(e).__name__}: {_first_line(e)}") from e
+def _identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
+    identity = reply.get("identity")
+    if not isinstance(identity, dict) or not all(DIGEST.fullmatch(str(identity.get(k))) for k in ("program", "graph", "weights")):
+        raise UnitFailed("the sandbox did not name the program's content")
+    built_with = str(reply.get("built_with"))
+    if not DIGEST.fullmatch(built_with):
+        raise UnitFailed("the sandbox did not name the program's weights")
+    return {k: str(identity[k]) for k in ("program", "graph", "weights", "weights_mode")}, built_with
 
 
-def _verify(unit: Unit, ep: ExportedProgram, compiled: Any, log: UnitLog, result: UnitResult):
-    try:
-        sets = input_sets(ep, unit.verify.extra_sizes)
-    except ValueError as e:
-        raise UnitFailed(str(e)) from e
-    report = verify(ep.module(), compiled, sets, unit.verify.atol, unit.verify.rtol)
-    log.note(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, max rel {report.max_rel_err:.3g}")
-    result.metrics.update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
-    return report, sets
+def _check(ctx: _Ctx, artifact: Path, verify_it: bool, bench_it: bool) -> list[str]:
+    """Verify and/or benchmark an artifact in the sandbox; numbers land in the result."""
+    reply = ctx.step("check", artifact=str(artifact), verify_it=verify_it, bench_it=bench_it)
+    metrics = reply.get("metrics") if isinstance(reply.get("metrics"), dict) else {}
+    ctx.result.metrics.update({str(k)[:200]: float(v) for k, v in metrics.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    problems = [str(p)[:1000] for p in reply.get("problems") or []]
+    if verify_it and problems:
+        raise UnitFailed("verification failed: " + "; ".join(problems))
+    if bench_it:
+        ctx.result.device = ctx.backend.device_fingerprint(ctx.unit.target)
+        ctx.log.note(f"measured on {ctx.result.device}")
+    return [str(c)[:200] for c in reply.get("checked") or []]
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _plain(facts: dict[str, Any]) -> dict[str, Any]:
+    """Facts for the manifest: strings, numbers and booleans only."""
+    return {str(k)[:100]: v if isinstance(v, (int, float, bool)) or v is None else str(v)[:1000] for k, v in facts.items()}
 
 
 def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> Lease | dict[str, Any]:
@@ -274,12 +269,12 @@ def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> L
     return claim
 
 
-def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp: Path, log: UnitLog, phase: Phases,
-         result: UnitResult) -> None:
+def _hit(ctx: _Ctx, manifest: dict[str, Any], built_with: str) -> None:
     """A manifest exists. With `weights: shapes` and another checkpoint's weights, show that the
     artifact runs with ours and matches our program run eagerly before calling it a hit. An
     autotune candidate takes latencies measured since publishing, and measures the stored
     artifact again on retune or at a hot size it was never timed at on this device."""
+    unit, store, result, log = ctx.unit, ctx.store, ctx.result, ctx.log
     result.status = "hit"
     result.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
     result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
@@ -287,30 +282,30 @@ def _hit(unit: Unit, store: Store, manifest: dict[str, Any], loaded: Loaded, tmp
     timings = manifest.get("timings", {})
     result.saved_s = manifest.get("compile_s", sum(timings.get(p, 0.0) for p in COMPILE_PHASES))
     result.device = manifest.get("device")
-    built_with = manifest.get("weights", {}).get("built_with")
-    swap = unit.target.weights == "shapes" and built_with != loaded.built_with
+    stored_with = manifest.get("weights", {}).get("built_with")
+    swap = unit.target.weights == "shapes" and stored_with != built_with
     if unit.target.candidate is None and not swap:  # a plain hit: the manifest says it all
         return
-    device = fingerprint_of(loaded.backend.device_fingerprint(unit.target))
+    device = fingerprint_of(ctx.backend.device_fingerprint(unit.target))
     if unit.target.candidate is not None and not unit.remeasure:  # measured again after it was published?
         result.metrics.update(get_measurements(store, result.key, device))
     unmeasured = [f"{w}={n}" for w, n in unit.hot_sizes if f"compiled_ms@{w}={n}" not in result.metrics]
     remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
     if not swap and not remeasure:
         return
-    artifact = store.fetch(result.artifact.digest, tmp / "artifact")
-    compiled = loaded.backend.load(artifact, unit.target, loaded.ep)
+    artifact = store.fetch(result.artifact.digest, ctx.tmp / "artifact")
     if swap:
-        log.note(f"the artifact was built with weights {built_with}; checking it with this checkpoint's ({loaded.built_with})")
-        with phase("verify"):
-            report, _ = _verify(unit, loaded.ep, compiled, log, result)
-        if not report.ok:
-            raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: "
-                             + "; ".join(report.problems) + ". Report it: the key should have told them apart")
+        log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})")
+        with ctx.phase("verify"):
+            try:
+                _check(ctx, artifact, verify_it=True, bench_it=False)
+            except UnitFailed as e:
+                raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: {e}. "
+                                 f"Report it: the key should have told them apart") from None
         result.metrics.update(weights_swapped=1.0)
     if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
-        with phase("benchmark"):
-            _benchmark(unit, loaded.ep, compiled, input_sets(loaded.ep, 0)[0], loaded.backend, log, result)
+        with ctx.phase("benchmark"):
+            _check(ctx, artifact, verify_it=False, bench_it=True)
         put_measurements(store, result.key, device, {k: v for k, v in result.metrics.items() if "_ms" in k})
 
 
@@ -322,11 +317,6 @@ def _publish(unit: Unit, store: Store, ready: Compiled, log: UnitLog, result: Un
     if not store.publish_manifest(result.key, manifest):
         log.note("another worker published this key first; its manifest stands")
     result.status = "compiled"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 def _manifest(unit: Unit, result: UnitResult, ready: Compiled, timings: dict[str, float]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The typed messages a worker takes and gives back (they cross Ray, so no bare dicts)."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -48,6 +49,20 @@ class BenchPolicy:
 
 
 @dataclass(frozen=True)
+class UnitLimits:
+    """What one unit may use in its sandbox (workers/sandbox.py). The job spec's `limits` defaults come from here."""
+    timeout_s: float = 1800.0  # wall clock, for the whole unit
+    memory_gb: float = 16.0  # address space of the sandbox and of the compilers it runs
+    file_gb: float = 8.0  # largest file the sandbox may write
+    archive_gb: float = 32.0  # a graph archive's members, declared and decompressed, all together
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds per unit: the wall-clock limit on every core."""
+        return self.timeout_s * (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
 class Unit:
     graph: str  # a name a person recognises (file stem or the job's `name`)
     source: str  # where the graph came from (path or URI), for messages
@@ -57,7 +72,7 @@ class Unit:
     modules: tuple[str, ...] = ()
     verify: VerifyPolicy = VerifyPolicy()
     bench: BenchPolicy = BenchPolicy()
-    timeout_s: float | None = None  # None: the job's limit
+    limits: UnitLimits = UnitLimits()
     lease_ttl_s: float = 60.0  # a compile whose worker shows no life for this long is taken over
     remeasure: bool = False  # on a hit, benchmark the stored artifact again (retuning)
     specialize: tuple[str, int] | None = None  # compile the program with dimension `<input>.<dim>` fixed at a size

@@ -25,6 +25,11 @@ class UnitLog:
     def exception(self, e: BaseException) -> None:
         self._lines.append("".join(traceback.format_exception(e)).rstrip())
 
+    def output(self, text: str, source: str = "the compiler and libraries") -> None:
+        text = text.rstrip()
+        if text:
+            self._lines += [f"--- output of {source} ---", text, "--- end of output ---"]
+
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"
 
@@ -67,8 +72,4 @@ class UnitLog:
                 os.close(saved[0])
                 os.close(saved[1])
                 sink.seek(0)
-                output = sink.read().decode(errors="replace").rstrip()
-                if output:
-                    self._lines.append("--- output of the compiler and libraries ---")
-                    self._lines.append(output)
-                    self._lines.append("--- end of output ---")
+                self.output(sink.read().decode(errors="replace"))

@@ -1,0 +1,216 @@
+"""A child process for everything that touches untrusted input: loading a graph, lowering it,
+loading, verifying and benchmarking an artifact (workers/steps.py runs there).
+
+The child holds no credentials (an allow-listed environment: no AWS, Ray or farm secrets, an
+empty HOME), works in the unit's temp dir, and runs under limits on memory, file size and CPU
+time, with a hard wall-clock timeout enforced from here. A crash, a hang or a blown limit ends
+the unit as failed with the signal or limit named and the child's output in the unit log;
+this process lives on and starts a fresh child for the next unit.
+
+The child stays warm between units (torch's import and Inductor's set-up are paid once), and
+is replaced after any failure, so a child that met a bad graph never serves another unit.
+
+Requests go down as pickles (the child trusts us); replies come back as size-capped JSON on
+their own pipe (we do not trust the child), and the child's stdout/stderr go to a file per
+request that we read back even after a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from workers.unit import UnitLimits
+
+PROJECT = Path(__file__).resolve().parents[1]
+MAX_REPLY = 64 << 20
+HEADER = struct.Struct("!Q")
+# Passed to the child; everything else in the environment is dropped.
+ENV_ALLOWED = re.compile(r"(PATH|LANG|LANGUAGE|TZ|TERM|USER|LOGNAME|PYTHONPATH|PYTHONHASHSEED|VIRTUAL_ENV|LD_LIBRARY_PATH|"
+                         r"CC|CXX|CUDA_HOME|CUDA_PATH|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|MKL_NUM_THREADS|"
+                         r"LC_\w+|KMP_\w+|TORCH_\w+|TORCHINDUCTOR_\w+|TRITON_\w+|NVIDIA_\w+)")
+ENV_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY|AWS|RAY_", re.IGNORECASE)
+SIGNALS = {signal.SIGXCPU: "the CPU time limit", signal.SIGXFSZ: "the file size limit",
+           signal.SIGKILL: "SIGKILL (killed: out of memory, or by an operator)"}
+
+
+class SandboxFailed(Exception):
+    """The child crashed, hung, ran out of a resource, or refused the input; the message says which."""
+
+    def __init__(self, message: str, output: str = "", retryable: bool = False):
+        super().__init__(message)
+        self.output = output
+        self.retryable = retryable
+
+
+def child_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if ENV_ALLOWED.fullmatch(k) and not ENV_SECRET.search(k)}
+    env.update(HOME=str(home), PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
+    # Inductor's caches (and its precompiled header) stay where the worker's are, so a warm
+    # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
+    return env
+
+
+def _inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+class Sandbox:
+    """A warm child process that runs steps (workers/steps.py) for one unit at a time."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._replies: int | None = None
+        self._limits: tuple[float, float] | None = None
+        self._base = Path(tempfile.mkdtemp(prefix="farm-sandbox-"))
+        self.starts = 0  # children started so far: one, unless units failed
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc and self._proc.poll() is None else None
+
+    def call(self, step: str, cwd: Path, limits: UnitLimits, deadline: float, **kwargs: Any) -> dict[str, Any]:
+        """Run one step in the child, in the unit's temp dir cwd, until the monotonic deadline."""
+        if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb):
+            self._kill()  # set when the child started: another job's limits need a fresh one
+        if self._proc is None or self._proc.poll() is not None:
+            self._start(limits)
+        log = cwd / f".sandbox-{step}.log"
+        request = pickle.dumps({"step": step, "cwd": str(cwd), "log": str(log),
+                                "cpu_s": limits.cpu_s, "kwargs": kwargs})
+        try:
+            self._proc.stdin.write(HEADER.pack(len(request)) + request)
+            self._proc.stdin.flush()
+            reply = self._read_reply(deadline)
+        except (SandboxFailed, BrokenPipeError, OSError) as e:
+            output = _read_text(log)
+            self._kill()
+            message = str(e) if isinstance(e, SandboxFailed) else self._death(limits)
+            raise SandboxFailed(f"{step}: {message}", output) from None
+        output = _read_text(log)
+        if reply.get("error"):
+            self._kill()  # a child that met a bad input never serves another unit
+            raise SandboxFailed(str(reply["error"])[:4000], output, retryable=bool(reply.get("retryable")))
+        result = reply.get("result")
+        if not isinstance(result, dict):
+            self._kill()
+            raise SandboxFailed(f"{step}: the sandbox answered with {type(result).__name__}, not a mapping", output)
+        return {**result, "output": output}
+
+    def _start(self, limits: UnitLimits) -> None:
+        home = self._base / f"home-{self.starts}"
+        home.mkdir()
+        read, write = os.pipe()
+        self._limits = (limits.memory_gb, limits.file_gb)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.sandbox_child", str(write), json.dumps(asdict(limits))],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=home,
+            env=child_env(home), pass_fds=(write,), start_new_session=True, close_fds=True)
+        os.close(write)
+        self._replies = read
+        self.starts += 1
+
+    def _read_reply(self, deadline: float) -> dict[str, Any]:
+        header = self._read_exact(HEADER.size, deadline)
+        (size,) = HEADER.unpack(header)
+        if size > MAX_REPLY:
+            raise SandboxFailed(f"the sandbox sent a {size}-byte reply (limit {MAX_REPLY})")
+        try:
+            reply = json.loads(self._read_exact(size, deadline))
+        except ValueError as e:
+            raise SandboxFailed(f"the sandbox sent a reply that is not JSON ({e})") from e
+        if not isinstance(reply, dict):
+            raise SandboxFailed("the sandbox sent a reply that is not a mapping")
+        return reply
+
+    def _read_exact(self, n: int, deadline: float) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SandboxFailed(f"timeout: no answer within the unit's time limit; the sandbox was killed")
+            ready, _, _ = select.select([self._replies], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(self._replies, min(n - got, 1 << 20))
+            if not chunk:
+                raise OSError("the sandbox closed its reply pipe")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _death(self, limits: UnitLimits) -> str:
+        """Why the child died, once it has."""
+        try:
+            code = self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return "the sandbox stopped answering"
+        if code >= 0:
+            return f"the sandbox exited with status {code}"
+        sig = signal.Signals(-code)
+        what = SIGNALS.get(sig, f"{sig.name} ({signal.strsignal(sig) or 'signal'})")
+        if sig == signal.SIGKILL:
+            return f"the sandbox was killed by {what}; its memory limit is {limits.memory_gb:g} GiB"
+        if sig in (signal.SIGXCPU, signal.SIGXFSZ):
+            return f"the sandbox hit {what} ({limits.cpu_s:g} s CPU, {limits.file_gb:g} GiB per file)"
+        return f"the sandbox crashed with {what}"
+
+    def _kill(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # g++ and other grandchildren too
+            except ProcessLookupError:
+                pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (self._proc.stdin,):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        if self._replies is not None:
+            os.close(self._replies)
+        self._proc, self._replies = None, None
+
+    def close(self) -> None:
+        self._kill()
+        shutil.rmtree(self._base, ignore_errors=True)
+
+
+def _read_text(path: Path, limit: int = 1 << 20) -> str:
+    """The child's output for one step (the tail, if it wrote more than limit bytes)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - limit))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return text if size <= limit else f"[... {size - limit} bytes cut ...]\n{text}"

@@ -1,0 +1,112 @@
+"""The sandbox child's main loop (see workers/sandbox.py): set our own limits before touching
+any input, then run one step per request, each in its unit's temp dir with its output in
+that request's log file, and answer in JSON.
+
+    python -m workers.sandbox_child REPLY_FD LIMITS_JSON
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import resource
+import sys
+import traceback
+import warnings
+from typing import Any, BinaryIO
+
+from workers.unit import UnitLimits
+
+HEADER_BYTES = 8
+GiB = 1 << 30
+
+
+def _apply_limits(limits: UnitLimits) -> None:
+    memory = int(limits.memory_gb * GiB)
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    size = int(limits.file_gb * GiB)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash must not leave gigabytes of core behind
+
+
+def _cpu_budget(seconds: float) -> None:
+    """RLIMIT_CPU counts the whole life of the process: allow this request `seconds` more."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    spent = used.ru_utime + used.ru_stime
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = int(spent + seconds) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _read(stream: BinaryIO, n: int) -> bytes | None:
+    data = stream.read(n)
+    return data if data and len(data) == n else None
+
+
+def _send(out: BinaryIO, reply: dict[str, Any]) -> None:
+    data = json.dumps(reply, default=str).encode()
+    out.write(len(data).to_bytes(HEADER_BYTES, "big") + data)
+    out.flush()
+
+
+def _redirect_output(path: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _log_to_stderr() -> None:
+    """Inductor's INFO log and Python warnings go to fd 2, i.e. the current request's log."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("torch._inductor", "py.warnings"):
+        lg = logging.getLogger(name)
+        lg.handlers = [handler]
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    logging.captureWarnings(True)
+    warnings.simplefilter("always")
+
+
+def main() -> None:
+    reply_fd, limits = int(sys.argv[1]), UnitLimits(**json.loads(sys.argv[2]))
+    _apply_limits(limits)
+    replies = os.fdopen(reply_fd, "wb")
+    requests = sys.stdin.buffer
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    from workers.steps import USER_ERRORS, Steps  # torch's import, paid once per child
+
+    _log_to_stderr()
+    steps = Steps()
+    while (header := _read(requests, HEADER_BYTES)) is not None:
+        body = _read(requests, int.from_bytes(header, "big"))
+        if body is None:
+            return
+        request = pickle.loads(body)  # from the worker that started us
+        _redirect_output(request["log"])
+        os.chdir(request["cwd"])
+        _cpu_budget(request["cpu_s"])
+        try:
+            reply = {"result": getattr(steps, request["step"])(**request["kwargs"])}
+        except USER_ERRORS as e:
+            traceback.print_exc()
+            reply = {"error": str(e), "retryable": bool(getattr(e, "retryable", False))}
+        except MemoryError:
+            traceback.print_exc()
+            reply = {"error": f"{request['step']}: ran out of memory (the sandbox may use {limits.memory_gb:g} GiB; "
+                              f"raise limits.memory_gb for bigger models)"}
+        except Exception as e:  # a library blew up: still an answer, with the traceback in the unit log
+            traceback.print_exc()
+            reply = {"error": f"{request['step']} failed: {type(e).__name__}: {str(e).strip()[:500]}"}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _send(replies, reply)
+
+
+if __name__ == "__main__":
+    main()

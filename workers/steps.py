@@ -1,0 +1,161 @@
+"""The steps of a unit that touch untrusted input. They run only in the sandbox child
+(workers/sandbox_child.py), never in a process that holds credentials, and answer with plain
+JSON-able values: the worker trusts nothing the child says beyond numbers and strings.
+
+The child keeps the program it loaded between the steps of one unit (identify → lower →
+check), so a unit loads its graph once.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.export import ExportedProgram
+
+from workers.archive import ArchiveLimits, GiB, HostileArchive, check_archive
+from workers.autotune_share import benchmarked
+from workers.backends import LoweringError, resolve
+from workers.benchmark import measure
+from workers.inputs import dynamic_dims, input_sets, inputs_at
+from workers.program import ProgramError, load_program, program_identity, weights_digest
+from workers.specialize import specialization_problems, specialize
+from workers.unit import Unit
+from workers.verify import verify
+
+
+class StepFailed(Exception):
+    """The step cannot go on for a reason the user can act on."""
+
+
+def _archive_limits(unit: Unit) -> ArchiveLimits:
+    return ArchiveLimits(max_bytes=int(unit.limits.archive_gb * GiB))
+
+
+@contextlib.contextmanager
+def own_inductor_config() -> Iterator[None]:
+    """Restore every Inductor setting after a lowering. `aoti_compile_and_package` leaves
+    `aot_inductor.metadata` filled in; that setting is part of Inductor's FX graph cache key,
+    so a later torch.compile in the same process would key its cache entries differently from
+    a fresh serving process."""
+    from torch._inductor import config
+
+    saved = config.save_config()  # a pickled deep copy: survives settings mutated in place
+    try:
+        yield
+    finally:
+        config.load_config(saved)
+
+
+class Steps:
+    def __init__(self) -> None:
+        self._loaded: tuple[str, ExportedProgram] | None = None  # (unit id, its program)
+        self._compiled: tuple[str, Any] | None = None  # (artifact path, the loaded artifact): verify, then benchmark
+
+    def _program(self, unit: Unit) -> ExportedProgram:
+        if self._loaded is None or self._loaded[0] != unit.unit_id:
+            raise StepFailed(f"{unit.unit_id}: no program loaded in this sandbox (identify first)")
+        return self._loaded[1]
+
+    def identify(self, unit: Unit, program: str) -> dict[str, Any]:
+        """Load the graph (checked first, see workers/archive.py) and name its content."""
+        self._loaded = self._compiled = None
+        ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
+        if unit.specialize:
+            where, size = unit.specialize
+            try:
+                ep = specialize(ep, where, size)
+            except ValueError as e:
+                raise StepFailed(f"cannot specialize {where}={size}: {e}") from e
+        identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
+        built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
+        self._loaded = (unit.unit_id, ep)
+        return {"identity": identity, "built_with": built_with}
+
+    def lower(self, unit: Unit, workdir: str) -> dict[str, Any]:
+        ep, backend = self._program(unit), resolve(unit.target)
+        before = benchmarked()
+        try:
+            with own_inductor_config():
+                artifact = backend.lower(ep, unit.target, Path(workdir))
+        except LoweringError:
+            raise
+        except Exception as e:  # Inductor and the C++ compiler fail in many ways: a unit error, traceback in the log
+            raise StepFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
+        return {"artifact": str(artifact), "facts": backend.describe(artifact, unit.target),
+                "autotune_benchmarked": benchmarked() - before}
+
+    def check(self, unit: Unit, artifact: str, verify_it: bool, bench_it: bool) -> dict[str, Any]:
+        """Load an artifact (a freshly lowered one, or one from the store), verify it against the
+        program run eagerly and measure both."""
+        ep = self._program(unit)
+        compiled = self._load_artifact(unit, ep, Path(artifact))
+        out: dict[str, Any] = {"metrics": {}, "checked": [], "problems": []}
+        sets = None
+        if verify_it:
+            try:
+                sets = input_sets(ep, unit.verify.extra_sizes)
+            except ValueError as e:
+                raise StepFailed(str(e)) from e
+            report = verify(ep.module(), compiled, sets, unit.verify.atol, unit.verify.rtol)
+            print(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, "
+                  f"max rel {report.max_rel_err:.3g}")
+            out["metrics"].update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
+            out["checked"], out["problems"] = report.checked, report.problems
+            if not report.ok:
+                return out
+        if bench_it:
+            out["metrics"].update(self._benchmark(unit, ep, compiled, (sets or input_sets(ep, 0))[0]))
+        return out
+
+    def _load_artifact(self, unit: Unit, ep: ExportedProgram, path: Path) -> Any:
+        if self._compiled is not None and self._compiled[0] == str(path):
+            return self._compiled[1]
+        if _is_zip(path):
+            try:
+                check_archive(path, f"artifact of {unit.unit_id}", _archive_limits(unit), native_code=True)
+            except HostileArchive as e:
+                raise StepFailed(str(e)) from e
+        compiled = resolve(unit.target).load(path, unit.target, ep)
+        self._compiled = (str(path), compiled)
+        return compiled
+
+    def _benchmark(self, unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any) -> dict[str, float]:
+        eager = measure(ep.module(), inputs, unit.bench.warmup, unit.bench.repeat)
+        fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat)
+        metrics = dict(eager_ms=eager.median_ms, compiled_ms=fast.median_ms, compiled_spread_ms=fast.spread_ms,
+                       speedup=eager.median_ms / fast.median_ms)
+        print(f"eager {eager.median_ms:.3f} ms, compiled {fast.median_ms:.3f} ms ± {fast.spread_ms:.3f} "
+              f"(median and interquartile range of {unit.bench.repeat} runs)")
+        dims = dynamic_dims(ep)
+        for where, size in unit.hot_sizes:  # where a specialization would compete with this artifact
+            if where in dims:
+                at = inputs_at(ep, {dims[where][0]: size}, f"{where}={size}", torch.Generator().manual_seed(0))
+                hot = measure(compiled, at, unit.bench.warmup, unit.bench.repeat)
+                metrics.update({f"compiled_ms@{where}={size}": hot.median_ms,
+                                f"compiled_spread_ms@{where}={size}": hot.spread_ms})
+                print(f"at {where}={size}: compiled {hot.median_ms:.3f} ms ± {hot.spread_ms:.3f}")
+        return metrics
+
+    def specialization_problems(self, unit: Unit, program: str, asked: list[tuple[str, list[int]]]) -> dict[str, Any]:
+        """Hot sizes outside their dimension's range, per `<input>.<dim>` (checked as a job loads)."""
+        ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
+        return {"problems": {where: specialization_problems(ep, where, sizes) for where, sizes in asked}}
+
+    def input_names(self, unit: Unit, program: str) -> dict[str, Any]:
+        ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
+        return {"names": list(ep.graph_signature.user_inputs)}
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+USER_ERRORS = (StepFailed, ProgramError, LoweringError)
