@@ -148,6 +148,7 @@ def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
 
     from farm.console import out
     from storage import StoreError
+    from storage.signing import describe
 
     s = _open_store(store)
     try:
@@ -160,10 +161,29 @@ def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
         raise _fail(str(e)) from e
     facts = manifest.get("artifact", {})
     out.print(escape(f"{dest}: {manifest['graph']} for {manifest['target']}") + f" ({ref['size']} bytes, sha256 {ref['digest'][:12]}… verified)")
+    signed = describe(manifest)
+    out.print(f"manifest {signed}" + ("" if s.trust.required else
+              " (not checked: set FARM_VERIFY_KEY to the farm's verify.pem to require signatures)"
+              if signed != "unsigned" else "; set FARM_VERIFY_KEY to refuse unsigned manifests"))
     for how in ("load", "load_other_weights"):
         if facts.get(how):
             out.print(escape(f"{'load with' if how == 'load' else 'with another checkpoint'}: "
                              f"{facts[how].replace('PATH', repr(str(dest)))}"))
+
+
+@app.command()
+def keygen(folder: Path = typer.Argument(..., help="where to write signing.pem and verify.pem")) -> None:
+    """Make an Ed25519 key pair for signed manifests: FARM_SIGNING_KEY=signing.pem on workers,
+    FARM_VERIFY_KEY=verify.pem wherever artifacts are consumed."""
+    from farm.console import out
+    from storage.signing import keygen as make_keys
+
+    try:
+        private, public = make_keys(folder)
+    except FileExistsError as e:
+        raise _fail(f"{folder}/signing.pem exists; pick an empty folder (never overwrite a signing key)") from e
+    out.print(f"wrote {private} (private: keep it on workers only, as FARM_SIGNING_KEY) and {public} "
+              f"(FARM_VERIFY_KEY for every consumer)")
 
 
 @app.command()

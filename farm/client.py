@@ -27,15 +27,14 @@ def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
     autotune kept, each serving the inputs whose dimension has its size (the dynamic artifact
     serves every other size)."""
     from storage import store_from_uri
-    from workers.program import load_program
 
     s, workdir = store_from_uri(store), Path(workdir)
-    manifest = s.get_manifest(key)
+    manifest = s.get_manifest(key)  # signature checked when FARM_VERIFY_KEY is set
     if manifest is None or "autotune" not in manifest:
         raise ValueError(f"{key} is not an autotuned unit in {s.uri}")
     blobs = manifest["blobs"]
     fallback = load_compiled(s.fetch(blobs["artifact"]["digest"], workdir / "dynamic.pt2"))
-    names = load_program(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key).graph_signature.user_inputs
+    names = _input_names(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key, workdir)
     statics = []
     for sp in manifest["autotune"]["specializations"]:
         if sp["chosen"]:
@@ -50,3 +49,20 @@ def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
         return fallback(*args)
 
     return run
+
+
+def _input_names(program: Path, key: str, workdir: Path) -> list[str]:
+    """The program's input names, read in a sandbox: a program from the store is hostile input."""
+    import time
+
+    from workers.sandbox import Sandbox, SandboxFailed
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph=key, source=f"the program of {key}", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox:
+        try:
+            reply = sandbox.call("input_names", workdir, unit.limits, time.monotonic() + 300, unit=unit,
+                                 program=str(program))
+        except SandboxFailed as e:
+            raise ValueError(f"cannot read the program of {key}: {e}") from e
+    return [str(n) for n in reply.get("names") or []]

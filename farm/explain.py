@@ -12,6 +12,7 @@ from typing import Any
 
 from scheduler.jobs import read_keys
 from storage import Store
+from storage.signing import UntrustedDocument
 from workers.keys import diff_components
 
 Diff = tuple[str, Any, Any]
@@ -35,10 +36,21 @@ def resolve_key(store: Store, text: str) -> str:
 
 
 def manifest_of(store: Store, key: str) -> dict[str, Any]:
-    manifest = store.get_manifest(key)
+    try:
+        manifest = store.get_manifest(key)
+    except UntrustedDocument as e:
+        raise ExplainError(str(e)) from e
     if manifest is None:
         raise ExplainError(f"no manifest for key {key} in {store.uri}; `farm results JOB` lists a job's keys")
     return manifest
+
+
+def _trusted_manifest(store: Store, key: str) -> dict[str, Any] | None:
+    """A manifest to compare against; one that fails the signature check is no explanation."""
+    try:
+        return store.get_manifest(key)
+    except UntrustedDocument:
+        return None
 
 
 def explain_keys(store: Store, a: str, b: str) -> tuple[str, str, list[Diff]]:
@@ -69,7 +81,7 @@ def explain_job(store: Store, job_id: str) -> list[Miss]:
     if entries is None:
         raise ExplainError(f"no job {job_id} in {store.uri} (or it has not finished); `farm status {job_id}` tells")
     own = {e["key"] for e in entries}  # "closest existing key": one the job did not make itself
-    known = {k: manifest_of(store, k) for k in store.manifest_keys() if k not in own}
+    known = {k: m for k in store.manifest_keys() if k not in own and (m := _trusted_manifest(store, k)) is not None}
     misses = []
     for e in entries:
         if e["status"] == "hit":

@@ -1,6 +1,7 @@
 """The job spec: YAML, validated on load, with errors that name the file and the field."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -157,15 +158,52 @@ def parse_job(data: Any, source: str = "<job>", base_dir: str | Path = ".") -> J
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a job spec is a YAML mapping with `graphs` and `targets`, got {type(data).__name__}")
     try:
-        return JobSpec.model_validate({**data, "base_dir": str(base_dir)})
+        job = JobSpec.model_validate({**data, "base_dir": str(base_dir)})
     except ValidationError as e:
         raise SpecError(_format(e, source)) from e
+    _check_sources(job, source)
+    return job
+
+
+def allowed_sources() -> list[str]:
+    """FARM_ALLOWED_SOURCES: comma-separated prefixes (`s3://models/`, `/data/graphs/`) every graph
+    must come from; unset or empty allows any."""
+    return [p.strip() for p in os.environ.get("FARM_ALLOWED_SOURCES", "").split(",") if p.strip()]
+
+
+def _check_sources(job: JobSpec, source: str) -> None:
+    prefixes = allowed_sources()
+    if not prefixes:
+        return
+    for i, graph in enumerate(job.graphs):
+        where = job.resolve(graph)
+        if not any(where.startswith(p) for p in prefixes):
+            raise SpecError(f"{source}: graphs.{i}.path: {where} is outside the sources this farm allows "
+                            f"(FARM_ALLOWED_SOURCES: {', '.join(prefixes)}); copy the graph there")
+
+
+MAX_JOB_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases: a few lines of `*alias` can expand to billions of nodes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a job spec; "
+                                              "write the value out", mark)
+        return super().compose_node(parent, index)
 
 
 def load_job(path: str | Path) -> JobSpec:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        size = path.stat().st_size
+        if size > MAX_JOB_BYTES:
+            raise SpecError(f"{path}: {size} bytes is too big for a job spec (limit {MAX_JOB_BYTES}); "
+                            f"list fewer graphs per job or split the job")
+        data = yaml.load(path.read_text(), Loader=_NoAliasLoader)
     except FileNotFoundError as e:
         raise SpecError(f"{path}: no such job file") from e
     except yaml.YAMLError as e:

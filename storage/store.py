@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from storage.backend import Backend, StoreError
+from storage.signing import Trust, UntrustedDocument
 
 _CHUNK = 1 << 20
 
@@ -75,9 +76,10 @@ def manifest_path(key: str) -> str:
 
 
 class Store:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, trust: Trust | None = None):
         self.backend = backend
         self.transfer = Transfer()
+        self.trust = trust if trust is not None else Trust.from_env()  # signs and checks documents
 
     @property
     def uri(self) -> str:
@@ -129,14 +131,31 @@ class Store:
             tmp.unlink(missing_ok=True)
         return dest
 
+    # signed documents (storage/signing.py) -----------------------------------------
+    def put_document(self, path: str, doc: dict[str, Any], if_absent: bool = False) -> bool:
+        """Write a JSON document, signed when this process holds FARM_SIGNING_KEY."""
+        data = json.dumps(self.trust.seal(path, doc), indent=1, sort_keys=True).encode()
+        return self.backend.write(path, data, if_absent=if_absent)
+
+    def get_document(self, path: str) -> dict[str, Any] | None:
+        """A JSON document, or None; raises UntrustedDocument if signatures are required and its
+        signature is missing or wrong."""
+        data = self.backend.read(path)
+        if data is None:
+            return None
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise UntrustedDocument(f"{path} in {self.uri} is not JSON ({e}); refusing it") from e
+        return self.trust.open(path, doc)
+
     # manifests ---------------------------------------------------------------------
     def publish_manifest(self, key: str, manifest: dict[str, Any]) -> bool:
         """Publish once. Every blob the manifest names must already be in the store.
 
         Returns False if a manifest for key already exists (another writer won)."""
         self._check_blobs(key, manifest)
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        return self.backend.write(manifest_path(key), data, if_absent=True)
+        return self.put_document(manifest_path(key), manifest, if_absent=True)
 
     def _check_blobs(self, key: str, manifest: dict[str, Any]) -> None:
         for role, ref in manifest.get("blobs", {}).items():
@@ -147,11 +166,11 @@ class Store:
         """Overwrite a manifest: only for a decision the user asked to revisit (autotune retune).
         Its blobs must be in the store, as for publishing."""
         self._check_blobs(key, manifest)
-        self.backend.write(manifest_path(key), json.dumps(manifest, indent=1, sort_keys=True).encode())
+        self.put_document(manifest_path(key), manifest)
 
     def get_manifest(self, key: str) -> dict[str, Any] | None:
-        data = self.backend.read(manifest_path(key))
-        return None if data is None else json.loads(data)
+        """The manifest of key, or None; raises UntrustedDocument when it fails the signature check."""
+        return self.get_document(manifest_path(key))
 
     def manifest_keys(self) -> Iterator[str]:
         for path in self.backend.list("units/"):

@@ -18,6 +18,7 @@ import hashlib
 import json
 from typing import Any
 
+from storage.signing import UntrustedDocument
 from storage.store import Store
 
 Entry = tuple[str, str, str, str, float]
@@ -38,22 +39,27 @@ def put_inductor_shard(store: Store, fingerprint: str, device: dict[str, Any], e
     """Publish entries as one shard; None when there is nothing to publish."""
     if not entries:
         return None
-    data = json.dumps({"device": device, "entries": sorted(entries)}, sort_keys=True).encode()
-    path = _prefix(fingerprint) + hashlib.sha256(data).hexdigest() + ".json"
-    store.backend.write(path, data, if_absent=True)
+    doc = {"device": device, "entries": sorted(entries)}
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    path = _prefix(fingerprint) + digest + ".json"
+    store.put_document(path, doc, if_absent=True)
     return path
 
 
-def inductor_entries(store: Store, fingerprint: str) -> list[Entry]:
-    """Every entry published for this device fingerprint (a choice timed twice keeps one timing)."""
+def inductor_entries(store: Store, fingerprint: str) -> tuple[list[Entry], list[str]]:
+    """Every entry published for this device fingerprint (a choice timed twice keeps one timing),
+    and the shards refused because their signature is missing or wrong (never used)."""
     entries: dict[tuple[str, str, str, str], float] = {}
+    refused: list[str] = []
     for path in sorted(store.backend.list(_prefix(fingerprint))):
-        data = store.backend.read(path)
-        if data is None:
+        try:
+            doc = store.get_document(path)
+        except UntrustedDocument as e:
+            refused.append(str(e))
             continue
-        for op, inputs, precision, choice, ms in json.loads(data)["entries"]:
-            entries.setdefault((op, inputs, precision, choice), float(ms))
-    return [(*k, v) for k, v in entries.items()]
+        for op, inputs, precision, choice, ms in (doc or {}).get("entries", []):
+            entries.setdefault((str(op), str(inputs), str(precision), str(choice)), float(ms))
+    return [(*k, v) for k, v in entries.items()], refused
 
 
 def record_path(graph_digest: str, fingerprint: str) -> str:
@@ -61,7 +67,7 @@ def record_path(graph_digest: str, fingerprint: str) -> str:
 
 
 def put_tuning_record(store: Store, path: str, record: dict[str, Any]) -> None:
-    store.backend.write(path, json.dumps(record, indent=1, sort_keys=True).encode())
+    store.put_document(path, record)
 
 
 def _measured_path(key: str, fingerprint: str) -> str:
@@ -69,9 +75,13 @@ def _measured_path(key: str, fingerprint: str) -> str:
 
 
 def get_measurements(store: Store, key: str, fingerprint: str) -> dict[str, float]:
-    data = store.backend.read(_measured_path(key, fingerprint))
-    return {} if data is None else json.loads(data)
+    """Latencies measured since publishing; none if their signature fails (they are measured again)."""
+    try:
+        doc = store.get_document(_measured_path(key, fingerprint))
+    except UntrustedDocument:
+        return {}
+    return {str(k): float(v) for k, v in (doc or {}).get("metrics", {}).items() if isinstance(v, (int, float))}
 
 
 def put_measurements(store: Store, key: str, fingerprint: str, metrics: dict[str, float]) -> None:
-    store.backend.write(_measured_path(key, fingerprint), json.dumps(metrics, sort_keys=True).encode())
+    store.put_document(_measured_path(key, fingerprint), {"metrics": metrics})

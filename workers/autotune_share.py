@@ -74,6 +74,7 @@ class SharedAutotune:
     store: Store
     device: dict[str, Any]
     seeded: int = 0  # timings this worker took from the farm instead of measuring them
+    refused: int = 0  # shards not used because their signature is missing or wrong
     published: int = 0  # timings this worker measured and gave to the farm
     _known: frozenset[tuple[str, str, str, str]] = frozenset()
 
@@ -82,7 +83,9 @@ class SharedAutotune:
         return fingerprint_of(self.device)
 
     def seed(self) -> None:
-        self.seeded, local = _merge_into_local(inductor_entries(self.store, self.fingerprint))
+        entries, refused = inductor_entries(self.store, self.fingerprint)
+        self.refused = len(refused)
+        self.seeded, local = _merge_into_local(entries)
         self._known = frozenset(e[:4] for e in _entries(local))
 
     def collect(self) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
+from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers.autotune_share import SharedAutotune, autotunes, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
@@ -126,7 +127,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
         except _Miss:
             result.status = "skipped"  # a hits-only lookup that found no manifest
             return result
-        except (UnitFailed, LoweringError) as e:
+        except (UnitFailed, LoweringError, UntrustedDocument) as e:
             result.status, result.error = "failed", f"graph {unit.graph} ({unit.target.label}): {e}"
             result.retryable = getattr(e, "retryable", False)
             log.note(f"FAILED in {phases.current}: {e}")
@@ -196,7 +197,8 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
         if shared:
             shared.seed()
-            log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}")
+            log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}"
+                     + (f"; {shared.refused} unsigned or wrongly signed shards ignored" if shared.refused else ""))
         lowered = ctx.step("lower", workdir=str(ctx.tmp))
         artifact = ctx.inside(lowered.get("artifact"))
         measured_here = _count(lowered.get("autotune_benchmarked"))

@@ -36,6 +36,7 @@ from workers.unit import UnitLimits
 
 PROJECT = Path(__file__).resolve().parents[1]
 MAX_REPLY = 64 << 20
+STARTUP_S = 300.0  # a child that has not imported torch by then is broken
 HEADER = struct.Struct("!Q")
 # Passed to the child; everything else in the environment is dropped.
 ENV_ALLOWED = re.compile(r"(PATH|LANG|LANGUAGE|TZ|TERM|USER|LOGNAME|PYTHONPATH|PYTHONHASHSEED|VIRTUAL_ENV|LD_LIBRARY_PATH|"
@@ -96,7 +97,7 @@ class Sandbox:
         if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb):
             self._kill()  # set when the child started: another job's limits need a fresh one
         if self._proc is None or self._proc.poll() is not None:
-            self._start(limits)
+            deadline += self._start(limits)  # the child's start (torch's import) is not the unit's time
         log = cwd / f".sandbox-{step}.log"
         request = pickle.dumps({"step": step, "cwd": str(cwd), "log": str(log),
                                 "cpu_s": limits.cpu_s, "kwargs": kwargs})
@@ -119,18 +120,29 @@ class Sandbox:
             raise SandboxFailed(f"{step}: the sandbox answered with {type(result).__name__}, not a mapping", output)
         return {**result, "output": output}
 
-    def _start(self, limits: UnitLimits) -> None:
+    def _start(self, limits: UnitLimits) -> float:
+        """Start a child and wait until it has imported torch; how long that took."""
+        began = time.monotonic()
         home = self._base / f"home-{self.starts}"
         home.mkdir()
         read, write = os.pipe()
+        startup_log = home / "startup.log"
+        startup = open(startup_log, "wb")
         self._limits = (limits.memory_gb, limits.file_gb)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "workers.sandbox_child", str(write), json.dumps(asdict(limits))],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=home,
+            stdin=subprocess.PIPE, stdout=startup, stderr=startup, cwd=home,
             env=child_env(home), pass_fds=(write,), start_new_session=True, close_fds=True)
         os.close(write)
+        startup.close()
         self._replies = read
         self.starts += 1
+        try:
+            self._read_reply(began + STARTUP_S)
+        except (SandboxFailed, OSError) as e:
+            self._kill()
+            raise SandboxFailed(f"the sandbox did not start ({e})", _read_text(startup_log), retryable=True) from None
+        return time.monotonic() - began
 
     def _read_reply(self, deadline: float) -> dict[str, Any]:
         header = self._read_exact(HEADER.size, deadline)

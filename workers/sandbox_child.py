@@ -83,6 +83,7 @@ def main() -> None:
 
     _log_to_stderr()
     steps = Steps()
+    _send(replies, {"ready": True})
     while (header := _read(requests, HEADER_BYTES)) is not None:
         body = _read(requests, int.from_bytes(header, "big"))
         if body is None:
