@@ -32,7 +32,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 GiB = 1 << 30
-PLAIN_FILES = {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id"}
+PLAIN_FILES = {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id",
+               # torch 2.7's format (torch.export.load's fallback): refused after its pickles are checked
+               "version", "serialized_exported_program.json", "serialized_state_dict.json", "serialized_constants.json"}
 CONFIG = re.compile(r"data/(weights|constants)/[^/]+_config\.json")
 SYMBOL_FUNCTIONS = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 MAX_EXPR_CHARS = 4096
@@ -68,8 +70,8 @@ def check_archive(path: Path, label: str, limits: ArchiveLimits = ArchiveLimits(
         with zipfile.ZipFile(path) as zf:
             layout = _structure(zf, label, limits)
             _read_all(zf, layout, label, limits)
-            _check_versions(zf, layout, label)
             _check_members(zf, layout, label, native_code)
+            _check_versions(zf, layout, label)
     except zipfile.BadZipFile as e:
         raise HostileArchive(f"{label} is not a readable zip archive ({e}); save it with torch.export.save") from e
 
@@ -280,13 +282,17 @@ def _check_members(zf: zipfile.ZipFile, layout: _Layout, label: str, native_code
             raise HostileArchive(f"{label}: member {name!r} is compiled native code inside a graph archive; "
                                  f"the farm never loads code from a graph. Save the program without AOTInductor output")
         data = zf.read(info)
+        if not data:
+            continue  # torch reads an empty payload as nothing
         try:
             torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as e:  # the weights-only unpickler raises UnpicklingError, RuntimeError, ... for anything unsafe
             raise HostileArchive(f"{label}: member {name!r} is not plain tensor data (torch's weights_only unpickler "
-                                 f"refused it: {_first_line(e)}); the farm never unpickles code") from e
+                                 f"refused it: {_unpickler_reason(e)}); the farm never unpickles code") from e
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+def _unpickler_reason(e: BaseException) -> str:
+    """torch's message opens with advice about weights_only=False (never take it); keep the reason."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    reason = next((ln for ln in lines if "GLOBAL" in ln or "WeightsUnpickler error" in ln or "Unsupported" in ln), None)
+    return (reason or (lines[0] if lines else type(e).__name__))[:300]

@@ -36,6 +36,7 @@ def load_program(path: Path, label: str, modules: list[str] = (), limits: Archiv
     The archive is hostile until checked (workers/archive.py); torch's loader then runs with
     every `torch.load` forced to `weights_only=True`, so even a member the check missed cannot
     reach the full unpickler, and the graph may only call operators."""
+    from torch._export.verifier import SpecViolationError
     from torch.export.pt2_archive._package import load_pt2
 
     import_modules(list(modules))
@@ -57,13 +58,19 @@ def load_program(path: Path, label: str, modules: list[str] = (), limits: Archiv
                 f"{label}: {e} Add the module that registers this output type (for Hugging Face outputs, "
                 f"e.g. 'transformers.modeling_outputs') to the job's `modules` list."
             ) from e
-        raise ProgramError(f"{label} could not be deserialized: {e}") from e
+        raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
+                           f"{_first_line(e)}; export and save it again") from e
     except RuntimeError as e:
         if "zip archive" in str(e):
             raise ProgramError(f"{label} is a truncated or corrupt .pt2 archive ({str(e).split('.')[0]}); export and save it again") from e
-        raise ProgramError(f"{label} could not be deserialized: {e}") from e
+        raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
+                           f"{_first_line(e)}; export and save it again") from e
+    except SpecViolationError as e:  # torch's verifier: a node calls something that is not an operator
+        raise ProgramError(f"{label}: member 'models/model.json': {_first_line(e)}; the farm only runs graphs of "
+                           f"operators") from e
     except (AssertionError, KeyError, TypeError, ValueError, AttributeError) as e:  # torch's deserializer on bad input
-        raise ProgramError(f"{label} could not be deserialized: {type(e).__name__}: {e}") from e
+        raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
+                           f"{type(e).__name__}: {_first_line(e)}; export and save it again") from e
     if "model" not in contents.exported_programs:
         found = sorted(contents.exported_programs) or "none"
         raise ProgramError(f"{label} holds no program named 'model' (found: {found}); save it with torch.export.save")
@@ -121,6 +128,11 @@ def foreign_call(ep: ExportedProgram) -> str | None:
                 continue
             return f"node {node.name} calls {getattr(t, '__module__', '?')}.{name or t!r}, which is not an operator"
     return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
