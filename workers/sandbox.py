@@ -106,9 +106,9 @@ class Sandbox:
             self._proc.stdin.flush()
             reply = self._read_reply(deadline)
         except (SandboxFailed, BrokenPipeError, OSError) as e:
-            output = _read_text(log)
-            self._kill()
             message = str(e) if isinstance(e, SandboxFailed) else self._death(limits)
+            self._kill()
+            output = _read_text(log)
             raise SandboxFailed(f"{step}: {message}", output) from None
         output = _read_text(log)
         if reply.get("error"):
@@ -126,7 +126,7 @@ class Sandbox:
         home = self._base / f"home-{self.starts}"
         home.mkdir()
         read, write = os.pipe()
-        startup_log = home / "startup.log"
+        startup_log = self._base / f"startup-{self.starts}.log"
         startup = open(startup_log, "wb")
         self._limits = (limits.memory_gb, limits.file_gb)
         self._proc = subprocess.Popen(
@@ -187,6 +187,9 @@ class Sandbox:
             return f"the sandbox was killed by {what}; its memory limit is {limits.memory_gb:g} GiB"
         if sig in (signal.SIGXCPU, signal.SIGXFSZ):
             return f"the sandbox hit {what} ({limits.cpu_s:g} s CPU, {limits.file_gb:g} GiB per file)"
+        if sig == signal.SIGABRT:
+            return (f"the sandbox crashed with {what}; a native allocation failing under its "
+                    f"{limits.memory_gb:g} GiB memory limit also ends this way")
         return f"the sandbox crashed with {what}"
 
     def _kill(self) -> None:

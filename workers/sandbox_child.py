@@ -104,6 +104,8 @@ def main() -> None:
         except Exception as e:  # a library blew up: still an answer, with the traceback in the unit log
             traceback.print_exc()
             reply = {"error": f"{request['step']} failed: {type(e).__name__}: {str(e).strip()[:500]}"}
+            if "allocate memory" in str(e):
+                reply["error"] += f" (the sandbox may use {limits.memory_gb:g} GiB: raise limits.memory_gb)"
         sys.stdout.flush()
         sys.stderr.flush()
         _send(replies, reply)

@@ -1,0 +1,128 @@
+"""The sandbox (issue 9): a crashing, hanging artifact fails only its own unit, within the
+timeout, and the worker lives on; the child holds no credentials and works in its unit's
+temp dir.
+
+The artifacts are real AOTInductor packages whose model library is replaced by one that
+aborts, segfaults or sleeps when loaded. They reach a worker the way a poisoned store would
+deliver them: a `weights: shapes` hit for another checkpoint loads the cached artifact to
+verify it with this checkpoint's weights."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from farm.spec import parse_job
+from scheduler.jobs import execute
+from storage import store_from_uri
+from storage.store import manifest_path
+from tests import hostile
+from workers.sandbox import Sandbox, child_env
+from workers.unit import UnitLimits
+
+pytestmark = pytest.mark.slow
+
+CRASHES = {"abort": ("abort();", "SIGABRT"), "segfault": ("raise(SIGSEGV);", "SIGSEGV"),
+           "hang": ("for (;;) sleep(1000);", "timeout")}
+TIMEOUT_S = 40
+
+
+def _job(zoo_dir: Path):
+    return parse_job({"name": "crash", "graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")],
+                      "targets": ["aoti-cpu"], "weights": "shapes", "limits": {"timeout_s": TIMEOUT_S}})
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory, zoo_dir):
+    """A store with mlp and cnn compiled weights-agnostic, and mlp's manifest key and package."""
+    root = tmp_path_factory.mktemp("crash-store")
+    store = store_from_uri(str(root / "store"))
+    outcome = execute(_job(zoo_dir), store)
+    mlp = next(r for r in outcome.results if r.graph == "mlp")
+    assert mlp.status == "compiled", mlp.error
+    package = store.fetch(mlp.artifact.digest, root / "mlp-package.pt2")
+    return store, mlp.key, package, root
+
+
+def _poison(store, key: str, package: Path) -> None:
+    """Point the manifest at another artifact, built 'with other weights' so a hit must load it."""
+    manifest = store.get_manifest(key)
+    manifest["blobs"]["artifact"] = store.put_file(package).to_dict()
+    manifest["weights"]["built_with"] = "0" * 64
+    store.backend.write(manifest_path(key), json.dumps(manifest).encode())
+
+
+@pytest.mark.parametrize("crash", sorted(CRASHES))
+def test_an_artifact_that_crashes_or_hangs_fails_only_its_unit(crash, compiled, zoo_dir, tmp_path):
+    store, key, package, root = compiled
+    body, named = CRASHES[crash]
+    _poison(store, key, hostile.crashing_package(package, tmp_path / f"{crash}.pt2", body))
+    pid = os.getpid()
+    start = time.monotonic()
+    outcome = execute(_job(zoo_dir), store)
+    results = {r.graph: r for r in outcome.results}
+    mlp, cnn = results["mlp"], results["cnn"]
+    assert mlp.status == "failed" and named in mlp.error, mlp.error
+    assert cnn.status == "hit", cnn.error
+    assert os.getpid() == pid  # the worker (this process) lived on
+    assert time.monotonic() - start < TIMEOUT_S + 60  # killed at the unit's limit, not later
+    log = store.get_bytes(mlp.log.digest).decode()
+    assert "FAILED" in log and "the sandbox" in log
+
+
+def test_on_ray_a_segfault_does_not_replace_the_worker(ray_cluster, compiled, zoo_dir, tmp_path):
+    from scheduler.ray_pool import PoolConfig, RayRunner
+
+    store, key, package, root = compiled
+    _poison(store, key, hostile.crashing_package(package, tmp_path / "segv.pt2", "raise(SIGSEGV);"))
+    job = parse_job({"name": "crash-ray", "graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")],
+                     "targets": ["aoti-cpu:avx2"], "weights": "shapes", "limits": {"timeout_s": TIMEOUT_S}})
+    runner = RayRunner(PoolConfig(workers=1), job_id="crash-ray")
+    outcome = execute(job, store, runner)
+    results = {r.graph: r for r in outcome.results}
+    assert results["mlp"].status == "failed" and "SIGSEGV" in results["mlp"].error, results["mlp"].error
+    assert results["cnn"].status in ("hit", "compiled"), results["cnn"].error
+    assert results["mlp"].retries == 0 and results["cnn"].retries == 0
+    assert results["mlp"].worker == results["cnn"].worker  # one worker, same PID: never replaced
+    assert all(s.generation == 1 for s in runner.slots)
+
+
+def test_the_child_holds_no_credentials_and_works_in_the_unit_dir(monkeypatch, tmp_path, zoo_dir):
+    secrets = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "AWS_SESSION_TOKEN": "tok",
+               "RAY_AUTH_TOKEN": "raytoken", "FARM_SIGNING_KEY": "/keys/signing.pem", "GITHUB_TOKEN": "gh"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    assert not set(secrets) & set(child_env(tmp_path))
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    workdir = tmp_path / "unit"
+    workdir.mkdir()
+    with Sandbox() as sandbox:
+        reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                             program=str(zoo_dir / "mlp.pt2"))
+        assert len(reply["identity"]["program"]) == 64
+        env = dict(line.split("=", 1) for line in
+                   Path(f"/proc/{sandbox.pid}/environ").read_bytes().decode().split("\0") if "=" in line)
+        cwd = os.readlink(f"/proc/{sandbox.pid}/cwd")
+        assert Path(env["HOME"]) != Path.home() and not any(Path(env["HOME"]).iterdir())
+    assert not [k for k in env if k.startswith("AWS") or k in secrets], env.keys()
+    assert Path(cwd) == workdir
+
+
+def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
+    from workers.unit import Target, Unit
+
+    limits = UnitLimits(timeout_s=30, memory_gb=6, file_gb=1)
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None, limits=limits)
+    with Sandbox() as sandbox:
+        sandbox.call("identify", tmp_path, limits, time.monotonic() + 120, unit=unit, program=str(zoo_dir / "mlp.pt2"))
+        text = Path(f"/proc/{sandbox.pid}/limits").read_text()
+    rows = {line[:26].strip(): line[26:].split() for line in text.splitlines()[1:]}
+    assert rows["Max address space"][0] == str(6 << 30)
+    assert rows["Max file size"][0] == str(1 << 30)
+    assert rows["Max core file size"][0] == "0"
+    assert int(rows["Max cpu time"][0]) <= 30 * (os.cpu_count() or 1) + 60  # this request's budget, not unlimited
