@@ -23,7 +23,7 @@ from storage import CacheConfig, Store, store_from_uri
 from workers.backends import LoweringError, resolve
 from workers.pipeline import lookup_unit, run_unit
 from workers.sandbox import Sandbox
-from workers.unit import Unit, UnitResult
+from workers.unit import Unit, UnitLimits, UnitResult
 
 POLL_S = 0.5
 # A unit's sandbox is killed at its timeout and the unit reported; the worker itself is only
@@ -40,10 +40,11 @@ class PoolConfig:
 class CompileWorker:
     """One per slot; runs units one at a time for as long as the job lasts."""
 
-    def __init__(self, store_uri: str):
+    def __init__(self, store_uri: str, limits: UnitLimits):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
         self.sandbox = Sandbox()  # warm across units; replaced after a unit that failed in it
+        self.sandbox.prestart(limits)  # imports torch while the pool starts
 
     def pid(self) -> int:
         return os.getpid()
@@ -97,7 +98,7 @@ class RayRunner:
         slot.resource, slot.generation = resource, slot.generation + 1
         slot.actor = _RemoteWorker.options(
             name=f"{self.job_id}/{slot.name}", resources={resource: 1}, namespace="farm",
-        ).remote(self._store_uri)
+        ).remote(self._store_uri, self._limits)
         slot.ready = slot.actor.pid.remote()
         slot.unit = slot.future = None
 
@@ -112,6 +113,7 @@ class RayRunner:
 
     def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         self._store_uri = store.uri
+        self._limits = units[0].limits if units else UnitLimits()
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
             yield from self._place(units, store, events, queues, sandbox)

@@ -89,11 +89,11 @@ def test_a_unit_past_its_timeout_fails_fast_and_the_rest_compile(ray_cluster, zo
         r = by_id[uid]
         assert r.status == "failed" and r.error and "timeout" in r.error, (uid, r.error)
         ran = finished_at[uid] - finished_at[("start", uid)]
-        assert 2 <= ran <= 8, ran  # ended within a few seconds of its limit
+        assert 2 <= ran <= 30, ran  # its sandbox killed at its limit (plus the sandbox's own start)
     for uid in ("gpt@aoti-cpu:x86-64", "mlp@aoti-cpu:x86-64"):
         assert by_id[uid].status == "compiled", by_id[uid].error
     avx2_slots = [s for s in runner.slots if s.resource == "farm_cpu_avx2"]
-    assert avx2_slots and all(s.generation >= 2 for s in avx2_slots)  # replaced after each timeout
+    assert avx2_slots and all(s.generation == 1 for s in avx2_slots)  # the sandbox died, never the worker
     assert time.monotonic() - start < 300
 
 

@@ -73,7 +73,7 @@ def check_archive(path: Path, label: str, limits: ArchiveLimits = ArchiveLimits(
             _check_members(zf, layout, label, native_code)
             _check_versions(zf, layout, label)
     except zipfile.BadZipFile as e:
-        raise HostileArchive(f"{label} is not a readable zip archive ({e}); save it with torch.export.save") from e
+        raise HostileArchive(f"{label} is a truncated or corrupt .pt2 archive ({e}); export and save it again") from e
 
 
 def _structure(zf: zipfile.ZipFile, label: str, limits: ArchiveLimits) -> _Layout:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import re
 import secrets
@@ -39,6 +40,7 @@ from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
+MAX_FACTS = 64 << 10
 class UnitFailed(Exception):
     def __init__(self, message: str, retryable: bool = False):
         super().__init__(message)
@@ -247,8 +249,10 @@ def _count(value: Any) -> int:
 
 
 def _plain(facts: dict[str, Any]) -> dict[str, Any]:
-    """Facts for the manifest: strings, numbers and booleans only."""
-    return {str(k)[:100]: v if isinstance(v, (int, float, bool)) or v is None else str(v)[:1000] for k, v in facts.items()}
+    """Facts for the manifest (JSON already, as the sandbox sent them), within a size bound."""
+    if len(json.dumps(facts)) > MAX_FACTS:
+        raise UnitFailed(f"the sandbox described the artifact in more than {MAX_FACTS} bytes; not publishing it")
+    return facts
 
 
 def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> Lease | dict[str, Any]:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,19 @@ def _inductor_cache_dir() -> str:
     return cache_dir()
 
 
+@dataclass
+class SandboxCost:
+    """What the sandbox costs on top of the work itself (bench/sandbox.py reports it)."""
+    start_s: float = 0.0  # starting children (torch's import): once per worker, and after a failed unit
+    calls: int = 0
+    overhead_s: float = 0.0  # round trips minus the time the child spent in the steps
+
+    def add(self, round_trip: float, step_s: Any) -> None:
+        self.calls += 1
+        if isinstance(step_s, (int, float)) and 0 <= step_s <= round_trip:
+            self.overhead_s += round_trip - step_s
+
+
 class Sandbox:
     """A warm child process that runs steps (workers/steps.py) for one unit at a time."""
 
@@ -79,8 +92,11 @@ class Sandbox:
         self._proc: subprocess.Popen | None = None
         self._replies: int | None = None
         self._limits: tuple[float, float] | None = None
+        self._spawned: float | None = None  # when the child was started, until it says it is ready
+        self._startup_log: Path | None = None
         self._base = Path(tempfile.mkdtemp(prefix="farm-sandbox-"))
         self.starts = 0  # children started so far: one, unless units failed
+        self.cost = SandboxCost()
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -97,14 +113,19 @@ class Sandbox:
         if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb):
             self._kill()  # set when the child started: another job's limits need a fresh one
         if self._proc is None or self._proc.poll() is not None:
-            deadline += self._start(limits)  # the child's start (torch's import) is not the unit's time
+            self.prestart(limits)
+        if self._spawned is not None:
+            waited = self._wait_ready()
+            deadline += waited  # the child's start (torch's import) is not the unit's time
         log = cwd / f".sandbox-{step}.log"
         request = pickle.dumps({"step": step, "cwd": str(cwd), "log": str(log),
                                 "cpu_s": limits.cpu_s, "kwargs": kwargs})
         try:
+            sent = time.perf_counter()
             self._proc.stdin.write(HEADER.pack(len(request)) + request)
             self._proc.stdin.flush()
             reply = self._read_reply(deadline)
+            self.cost.add(time.perf_counter() - sent, reply.get("step_s"))
         except (SandboxFailed, BrokenPipeError, OSError) as e:
             message = str(e) if isinstance(e, SandboxFailed) else self._death(limits)
             self._kill()
@@ -120,9 +141,11 @@ class Sandbox:
             raise SandboxFailed(f"{step}: the sandbox answered with {type(result).__name__}, not a mapping", output)
         return {**result, "output": output}
 
-    def _start(self, limits: UnitLimits) -> float:
-        """Start a child and wait until it has imported torch; how long that took."""
-        began = time.monotonic()
+    def prestart(self, limits: UnitLimits) -> None:
+        """Start a child now, without waiting for it: it imports torch while the worker does other things."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._spawned = time.monotonic()
         home = self._base / f"home-{self.starts}"
         home.mkdir()
         read, write = os.pipe()
@@ -136,13 +159,21 @@ class Sandbox:
         os.close(write)
         startup.close()
         self._replies = read
+        self._startup_log = startup_log
         self.starts += 1
+
+    def _wait_ready(self) -> float:
+        """Wait for the child's first message (torch imported); how long this call waited."""
+        waiting = time.monotonic()
         try:
-            self._read_reply(began + STARTUP_S)
+            self._read_reply(self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
             self._kill()
-            raise SandboxFailed(f"the sandbox did not start ({e})", _read_text(startup_log), retryable=True) from None
-        return time.monotonic() - began
+            raise SandboxFailed(f"the sandbox did not start ({e})", _read_text(self._startup_log), retryable=True) from None
+        now = time.monotonic()
+        self.cost.start_s += now - self._spawned
+        self._spawned = None
+        return now - waiting
 
     def _read_reply(self, deadline: float) -> dict[str, Any]:
         header = self._read_exact(HEADER.size, deadline)
@@ -211,7 +242,7 @@ class Sandbox:
                 pass
         if self._replies is not None:
             os.close(self._replies)
-        self._proc, self._replies = None, None
+        self._proc, self._replies, self._spawned = None, None, None
 
     def close(self) -> None:
         self._kill()

@@ -12,6 +12,7 @@ import os
 import pickle
 import resource
 import sys
+import time
 import traceback
 import warnings
 from typing import Any, BinaryIO
@@ -79,8 +80,9 @@ def main() -> None:
     requests = sys.stdin.buffer
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    from workers.steps import USER_ERRORS, Steps  # torch's import, paid once per child
+    from workers.steps import USER_ERRORS, Steps, warm_up  # torch's import, paid once per child
 
+    warm_up()
     _log_to_stderr()
     steps = Steps()
     _send(replies, {"ready": True})
@@ -92,6 +94,7 @@ def main() -> None:
         _redirect_output(request["log"])
         os.chdir(request["cwd"])
         _cpu_budget(request["cpu_s"])
+        began = time.perf_counter()
         try:
             reply = {"result": getattr(steps, request["step"])(**request["kwargs"])}
         except USER_ERRORS as e:
@@ -108,6 +111,7 @@ def main() -> None:
                 reply["error"] += f" (the sandbox may use {limits.memory_gb:g} GiB: raise limits.memory_gb)"
         sys.stdout.flush()
         sys.stderr.flush()
+        reply["step_s"] = time.perf_counter() - began
         _send(replies, reply)
 
 

@@ -19,7 +19,7 @@ from workers.autotune_share import benchmarked
 from workers.backends import LoweringError, resolve
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
-from workers.program import ProgramError, load_program, program_identity, weights_digest
+from workers.program import ProgramError, first_line, load_program, program_identity, weights_digest
 from workers.specialize import specialization_problems, specialize
 from workers.unit import Unit
 from workers.verify import verify
@@ -82,7 +82,7 @@ class Steps:
         except LoweringError:
             raise
         except Exception as e:  # Inductor and the C++ compiler fail in many ways: a unit error, traceback in the log
-            raise StepFailed(f"lowering failed: {type(e).__name__}: {_first_line(e)} (see the unit log)") from e
+            raise StepFailed(f"lowering failed: {type(e).__name__}: {first_line(e)} (see the unit log)") from e
         return {"artifact": str(artifact), "facts": backend.describe(artifact, unit.target),
                 "autotune_benchmarked": benchmarked() - before}
 
@@ -153,9 +153,11 @@ def _is_zip(path: Path) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else ""
-
-
 USER_ERRORS = (StepFailed, ProgramError, LoweringError)
+
+
+def warm_up() -> None:
+    """Imports every step needs, paid as the child starts (often while its worker is idle)."""
+    import torch._export.serde.serialize  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch.export.pt2_archive._package  # noqa: F401
