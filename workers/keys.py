@@ -65,6 +65,14 @@ def key_components(program: dict[str, str], target: dict[str, Any], options: dic
     }
 
 
+def identity_variant(weights_mode: str, specialize: Any) -> str:
+    """What besides a program's archive bytes decides its identity (storage/identities.py)."""
+    tc = toolchain()
+    parts = {"key_version": KEY_VERSION, "torch": tc["torch"], "torch_git": tc["torch_git"],
+             "weights_mode": weights_mode, "specialize": specialize}
+    return key_of(parts)[:32]
+
+
 def key_of(components: dict[str, Any]) -> str:
     canonical = json.dumps(components, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()

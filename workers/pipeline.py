@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
+from storage.identities import get_identity, put_identity
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers.autotune_share import SharedAutotune, autotunes, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
-from workers.keys import key_components, key_of
+from workers.keys import identity_variant, key_components, key_of
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
@@ -80,6 +81,7 @@ class _Ctx:
     result: UnitResult
     deadline: float  # monotonic: the sandbox is killed past it
     backend: Backend = field(init=False)
+    identified: tuple[dict[str, str], str] | None = None  # what the sandbox said the program is
 
     def step(self, name: str, **kwargs: Any) -> dict[str, Any]:
         """Run a step in the sandbox; its output goes to the unit log, its failure fails the unit."""
@@ -166,11 +168,15 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
         raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
     ctx.backend = resolve(unit.target)
 
-    with phase("fetch"):
-        program_path = store.fetch(unit.program.digest, ctx.tmp / "program.pt2")
+    variant = identity_variant(unit.target.weights, unit.specialize)
+    known = get_identity(store, unit.program.digest, variant)
+    if known is not None:  # this archive was loaded by a sandbox before: a plain hit needs no sandbox
+        identity, built_with = _identity(known)
+        log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
+    else:
+        identity, built_with = _identify(ctx)
+        put_identity(store, unit.program.digest, variant, {"identity": identity, "built_with": built_with})
     with phase("load"):
-        reply = ctx.step("identify", program=str(program_path))
-        identity, built_with = _identity(reply)
         result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict)
         result.key = key_of(result.components)
     log.note(f"key {result.key} (weights: {unit.target.weights})")
@@ -194,6 +200,7 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
         return None
     held.enter_context(claim)  # renewed while we compile and publish, released after
 
+    _identify(ctx, expect=identity)
     with phase("lower"):
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
@@ -217,6 +224,20 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
         _check(ctx, artifact, verify_it=False, bench_it=True)
     facts = lowered.get("facts") if isinstance(lowered.get("facts"), dict) else {}
     return Compiled(artifact, result.components, _plain(facts), checked, built_with)
+
+
+def _identify(ctx: _Ctx, expect: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """Fetch the program and load it in the sandbox, which names its content. Steps that need
+    the program (lower, check) call it first; it loads the program once per unit."""
+    if ctx.identified is None:
+        with ctx.phase("fetch"):
+            program_path = ctx.store.fetch(ctx.unit.program.digest, ctx.tmp / "program.pt2")
+        with ctx.phase("load"):
+            ctx.identified = _identity(ctx.step("identify", program=str(program_path)))
+    if expect is not None and ctx.identified[0] != expect:
+        raise UnitFailed(f"the program's identity recorded in the store for archive {ctx.unit.program.digest} is not "
+                         f"what loading it gives now; remove programs/{ctx.unit.program.digest}/ from the store")
+    return ctx.identified
 
 
 def _identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -299,6 +320,7 @@ def _hit(ctx: _Ctx, manifest: dict[str, Any], built_with: str) -> None:
     remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
     if not swap and not remeasure:
         return
+    _identify(ctx, expect={k: v for k, v in result.components["program"].items()})
     artifact = store.fetch(result.artifact.digest, ctx.tmp / "artifact")
     if swap:
         log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})")
