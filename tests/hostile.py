@@ -132,28 +132,24 @@ def native_code(good: Path, dest: Path, canary: Path) -> str:
     return _edit(good, dest, change)
 
 
-def symbolic_expression(good: Path, dest: Path, canary: Path) -> str:
-    """sympy.sympify(expr_str) evaluates Python."""
-    def change(m):
-        text = m["models/model.json"].decode()
-        assert "Symbol(" in text
-        evil = f"__import__('os').system('touch {canary}')"
-        doc = json.loads(text)
-        _replace_first(doc, "expr_str", evil)
+def _edit_program(good: Path, dest: Path, change: Callable[[dict], None]) -> str:
+    """Edit the JSON graph (models/model.json) of a good archive."""
+    def edit(m):
+        doc = json.loads(m["models/model.json"])
+        change(doc)
         m["models/model.json"] = json.dumps(doc).encode()
         return "models/model.json"
-    return _edit(good, dest, change)
+    return _edit(good, dest, edit)
+
+
+def symbolic_expression(good: Path, dest: Path, canary: Path) -> str:
+    """sympy.sympify(expr_str) evaluates Python."""
+    return _edit_program(good, dest, lambda doc: _replace_first(doc, "expr_str", f"__import__('os').system('touch {canary}')"))
 
 
 def foreign_call(good: Path, dest: Path, canary: Path) -> str:
     """A node whose target torch's deserializer resolves by attribute lookup: torch.os.system."""
-    def change(m):
-        doc = json.loads(m["models/model.json"])
-        node = doc["graph_module"]["graph"]["nodes"][0]
-        node["target"] = "torch.os.system"
-        m["models/model.json"] = json.dumps(doc).encode()
-        return "models/model.json"
-    return _edit(good, dest, change)
+    return _edit_program(good, dest, lambda doc: doc["graph_module"]["graph"]["nodes"][0].update(target="torch.os.system"))
 
 
 def _replace_first(doc, key: str, value) -> None:
@@ -253,21 +249,11 @@ def newer_archive_version(good: Path, dest: Path, canary: Path) -> str:
 
 
 def newer_schema(good: Path, dest: Path, canary: Path) -> str:
-    def change(m):
-        doc = json.loads(m["models/model.json"])
-        doc["schema_version"] = {"major": 99, "minor": 0}
-        m["models/model.json"] = json.dumps(doc).encode()
-        return "models/model.json"
-    return _edit(good, dest, change)
+    return _edit_program(good, dest, lambda doc: doc.update(schema_version={"major": 99, "minor": 0}))
 
 
 def wrong_schema(good: Path, dest: Path, canary: Path) -> str:
-    def change(m):
-        doc = json.loads(m["models/model.json"])
-        doc["graph_module"]["graph"]["nodes"] = "not a list of nodes"
-        m["models/model.json"] = json.dumps(doc).encode()
-        return "models/model.json"
-    return _edit(good, dest, change)
+    return _edit_program(good, dest, lambda doc: doc["graph_module"]["graph"].update(nodes="not a list of nodes"))
 
 
 def empty_file(good: Path, dest: Path, canary: Path) -> str:
