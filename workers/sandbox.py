@@ -76,6 +76,7 @@ def _inductor_cache_dir() -> str:
 class SandboxCost:
     """What the sandbox costs on top of the work itself (bench/sandbox.py reports it)."""
     start_s: float = 0.0  # starting children (torch's import): once per worker, and after a failed unit
+    warm_up_s: float = 0.0  # of which importing what the first step would import anyway (workers/steps.py)
     calls: int = 0
     overhead_s: float = 0.0  # round trips minus the time the child spent in the steps
 
@@ -166,12 +167,14 @@ class Sandbox:
         """Wait for the child's first message (torch imported); how long this call waited."""
         waiting = time.monotonic()
         try:
-            self._read_reply(self._spawned + STARTUP_S)
+            ready = self._read_reply(self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
             self._kill()
             raise SandboxFailed(f"the sandbox did not start ({e})", _read_text(self._startup_log), retryable=True) from None
         now = time.monotonic()
         self.cost.start_s += now - self._spawned
+        warm = ready.get("warm_up_s")
+        self.cost.warm_up_s += float(warm) if isinstance(warm, (int, float)) and 0 <= warm <= now - self._spawned else 0.0
         self._spawned = None
         return now - waiting
 

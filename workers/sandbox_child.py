@@ -82,10 +82,12 @@ def main() -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     from workers.steps import USER_ERRORS, Steps, warm_up  # torch's import, paid once per child
 
+    began = time.perf_counter()
     warm_up()
+    warmed_s = time.perf_counter() - began
     _log_to_stderr()
     steps = Steps()
-    _send(replies, {"ready": True})
+    _send(replies, {"ready": True, "warm_up_s": warmed_s})
     while (header := _read(requests, HEADER_BYTES)) is not None:
         body = _read(requests, int.from_bytes(header, "big"))
         if body is None:
