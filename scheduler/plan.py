@@ -34,7 +34,7 @@ def _target(t: TargetSpec, job: JobSpec) -> Target:
     return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())), weights=job.weights)
 
 
-def limits(job: JobSpec, t: TargetSpec) -> UnitLimits:
+def _limits(job: JobSpec, t: TargetSpec) -> UnitLimits:
     lim = job.limits
     return UnitLimits(timeout_s=t.timeout_s or lim.timeout_s, memory_gb=lim.memory_gb, file_gb=lim.file_gb,
                       archive_gb=lim.archive_gb)
@@ -63,7 +63,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
                 modules=tuple(job.modules) + tuple(graph.modules),
                 verify=verify,
                 bench=bench,
-                limits=limits(job, t),
+                limits=_limits(job, t),
                 lease_ttl_s=job.limits.lease_s,
             )
             units.extend(_candidates(unit, t) if t.autotune else [unit])

@@ -49,9 +49,6 @@ class CompileWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def sandbox_pid(self) -> int | None:
-        return self.sandbox.pid
-
     def run(self, unit: Unit) -> UnitResult:
         result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
