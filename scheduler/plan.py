@@ -98,21 +98,21 @@ def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None
     if not asked or not programs:
         return
     with tempfile.TemporaryDirectory(prefix="farm-check-") as tmp, Sandbox() as sandbox:  # graphs are hostile input
+        wanted = [(i, where, sizes) for i, t in asked for where, sizes in t.autotune.specialize.items()]
         for graph, unit in sorted(programs.items()):
             program = store.fetch(unit.program.digest, Path(tmp) / "program.pt2")
-            for i, t in asked:
-                try:
-                    reply = sandbox.call("specialization_problems", Path(tmp), unit.limits,
-                                         time.monotonic() + unit.limits.timeout_s, unit=unit, program=str(program),
-                                         asked=list(t.autotune.specialize.items()))
-                except SandboxFailed:
-                    break  # its units fail with the reason; nothing to check against
-                found = reply.get("problems") if isinstance(reply.get("problems"), dict) else {}
-                for where in t.autotune.specialize:
-                    problems = [str(p) for p in found.get(where) or []]
-                    if problems:
-                        raise SpecError(f"graph {graph}: targets.{i}.autotune.specialize.{where}: "
-                                        + "; ".join(problems) + "; list sizes inside the range, or drop the dimension")
+            try:  # one load of the graph answers every target's hot sizes
+                reply = sandbox.call("specialization_problems", Path(tmp), unit.limits,
+                                     time.monotonic() + unit.limits.timeout_s, unit=unit, program=str(program),
+                                     asked=[(where, sizes) for _, where, sizes in wanted])
+            except SandboxFailed:
+                continue  # its units fail with the reason; nothing to check against
+            found = reply.get("problems") if isinstance(reply.get("problems"), list) else []
+            for (i, where, _), problems in zip(wanted, found):
+                if problems:
+                    raise SpecError(f"graph {graph}: targets.{i}.autotune.specialize.{where}: "
+                                    + "; ".join(str(p) for p in problems)
+                                    + "; list sizes inside the range, or drop the dimension")
 
 
 def _unique(label: str, seen: set[str]) -> str:

@@ -2,7 +2,7 @@
 
 torch 2.13's loader runs code from an archive in several ways, all of them refused here:
 
-- `torch.load(..., weights_only=False)` on pickled weights and constants (`use_pickle` payloads),
+- torch's full unpickler (`weights_only=False`) on pickled weights and constants (`use_pickle` payloads),
   and `deserialize_torch_artifact`, which retries `data/sample_inputs/*.pt` and the legacy
   `data/weights/<model>.pt` / `data/constants/<model>.pt` without `weights_only` when the safe
   load fails; `torch.export.load`'s 2.7-format fallback does the same for `serialized_*.pt`.

@@ -241,12 +241,13 @@ def _identify(ctx: _Ctx, expect: dict[str, str] | None = None) -> tuple[dict[str
 
 
 def _identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """The identity in a sandbox's answer or a stored identity document, if it is well formed."""
     identity = reply.get("identity")
     if not isinstance(identity, dict) or not all(DIGEST.fullmatch(str(identity.get(k))) for k in ("program", "graph", "weights")):
-        raise UnitFailed("the sandbox did not name the program's content")
+        raise UnitFailed("the program's identity (from the sandbox or the store) does not name its content")
     built_with = str(reply.get("built_with"))
     if not DIGEST.fullmatch(built_with):
-        raise UnitFailed("the sandbox did not name the program's weights")
+        raise UnitFailed("the program's identity (from the sandbox or the store) does not name its weights")
     return {k: str(identity[k]) for k in ("program", "graph", "weights", "weights_mode")}, built_with
 
 

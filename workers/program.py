@@ -83,7 +83,7 @@ def load_program(path: Path, label: str, modules: list[str] = (), limits: Archiv
 
 @contextmanager
 def weights_only_loads() -> Iterator[None]:
-    """torch's deserializer falls back to `torch.load(weights_only=False)`; make every load safe."""
+    """torch's deserializer falls back to loading without `weights_only`; force it on every load."""
     original = torch.load
 
     def safe_load(*args: Any, **kwargs: Any) -> Any:

@@ -95,7 +95,7 @@ class Sandbox:
         self._limits: tuple[float, float] | None = None
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
-        self._base = Path(tempfile.mkdtemp(prefix="farm-sandbox-"))
+        self._base: Path | None = None  # made when a child first starts: a plain hit never needs one
         self.starts = 0  # children started so far: one, unless units failed
         self.cost = SandboxCost()
 
@@ -147,6 +147,7 @@ class Sandbox:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._spawned = time.monotonic()
+        self._base = self._base or Path(tempfile.mkdtemp(prefix="farm-sandbox-"))
         home = self._base / f"home-{self.starts}"
         home.mkdir()
         read, write = os.pipe()
@@ -249,7 +250,8 @@ class Sandbox:
 
     def close(self) -> None:
         self._kill()
-        shutil.rmtree(self._base, ignore_errors=True)
+        if self._base is not None:
+            shutil.rmtree(self._base, ignore_errors=True)
 
 
 def _read_text(path: Path, limit: int = 1 << 20) -> str:

@@ -139,9 +139,9 @@ class Steps:
         return metrics
 
     def specialization_problems(self, unit: Unit, program: str, asked: list[tuple[str, list[int]]]) -> dict[str, Any]:
-        """Hot sizes outside their dimension's range, per `<input>.<dim>` (checked as a job loads)."""
+        """Hot sizes outside their dimension's range, one list per (`<input>.<dim>`, sizes) asked."""
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
-        return {"problems": {where: specialization_problems(ep, where, sizes) for where, sizes in asked}}
+        return {"problems": [specialization_problems(ep, where, sizes) for where, sizes in asked]}
 
     def input_names(self, unit: Unit, program: str) -> dict[str, Any]:
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
