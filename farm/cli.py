@@ -69,7 +69,7 @@ def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> Non
 @app.command()
 def compile(
     graphs: list[Path] = typer.Argument(..., help=".pt2 files written by torch.export.save"),
-    target: list[str] = typer.Option(["aoti-cpu"], "--target", "-t", help="backend[:isa], e.g. aoti-cpu or aoti-cpu:avx512"),
+    target: list[str] = typer.Option(["aoti-cpu"], "--target", "-t", help="backend[:isa], e.g. aoti-cpu, aoti-cpu:avx512, aoti-cuda:sm_90"),
     store: str = StoreOpt,
     module: list[str] = typer.Option([], "--module", "-m", help="module to import before loading (output pytree types)"),
     atol: float = typer.Option(1e-4, help="verification absolute tolerance"),
@@ -126,6 +126,16 @@ def submit(
             console.print(f"Ray dashboard: {session.dashboard} (token: `ray get-auth-token`)")
         console.print(f"job {job_id}: `farm status {job_id} --store {store}` from any machine")
         _run_job(job, store, RayRunner(config, job_id=job_id, lookup_first=session.embedded), job_id=job_id)
+
+
+@app.command()
+def resources(slots: Optional[int] = typer.Option(None, help="CPU compile workers on this node (default: its cores)")) -> None:
+    """The Ray resources this host offers the farm, as JSON: ray start --resources "$(farm resources)"."""
+    import json
+
+    from workers.backends import offered_resources
+
+    typer.echo(json.dumps(offered_resources(slots or os.cpu_count() or 1)))
 
 
 @app.command()

@@ -1,8 +1,9 @@
 """Running units on Ray: the only module that calls Ray.
 
 A pool of long-lived worker actors per device class (a Ray custom resource such as
-`farm_cpu_avx2`), one per slot, so a worker pays torch's start-up and Inductor's
-precompiled header once, not per unit. A worker that dies mid-unit is replaced and its unit
+`farm_cpu_avx2` or `farm_cuda_sm90`), one per slot, so a worker pays torch's start-up and
+Inductor's precompiled header once, not per unit. What a worker asks of Ray (CPUs, a share
+of a GPU, custom resources) is its backend's `Placement`. A worker that dies mid-unit is replaced and its unit
 re-queued up to `retries` times; a unit past its timeout has its worker killed and replaced
 and ends as failed with reason `timeout`. Every unit is reported exactly once.
 """
@@ -20,7 +21,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from storage import CacheConfig, Store, store_from_uri
-from workers.backends import LoweringError, resolve
+from workers.backends import LoweringError, Placement, offered_resources, resolve
 from workers.pipeline import lookup_unit, run_unit
 from workers.sandbox import Sandbox
 from workers.unit import Unit, UnitLimits, UnitResult
@@ -40,11 +41,11 @@ class PoolConfig:
 class CompileWorker:
     """One per slot; runs units one at a time for as long as the job lasts."""
 
-    def __init__(self, store_uri: str, limits: UnitLimits):
+    def __init__(self, store_uri: str, limits: UnitLimits, device: str):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
         self.sandbox = Sandbox()  # warm across units; replaced after a unit that failed in it
-        self.sandbox.prestart(limits)  # imports torch while the pool starts
+        self.sandbox.prestart(limits, device)  # imports torch while the pool starts
 
     def pid(self) -> int:
         return os.getpid()
@@ -55,7 +56,7 @@ class CompileWorker:
         return result
 
 
-_RemoteWorker = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=2)(CompileWorker)
+_RemoteWorker = ray.remote(max_restarts=0, max_concurrency=2)(CompileWorker)  # resources: per placement
 
 
 @dataclass
@@ -93,9 +94,11 @@ class RayRunner:
 
     def _start(self, slot: _Slot, resource: str) -> None:
         slot.resource, slot.generation = resource, slot.generation + 1
+        placement, device = self._placements[resource]
         slot.actor = _RemoteWorker.options(
-            name=f"{self.job_id}/{slot.name}", resources={resource: 1}, namespace="farm",
-        ).remote(self._store_uri, self._limits)
+            name=f"{self.job_id}/{slot.name}", namespace="farm",
+            num_cpus=placement.cpus, num_gpus=placement.gpus, resources=placement.resources,
+        ).remote(self._store_uri, self._limits, device)
         slot.ready = slot.actor.pid.remote()
         slot.unit = slot.future = None
 
@@ -111,14 +114,18 @@ class RayRunner:
     def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         self._store_uri = store.uri
         self._limits = units[0].limits if units else UnitLimits()
+        self._placements: dict[str, tuple[Placement, str]] = {}  # device class → (placement, device)
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
             yield from self._place(units, store, events, queues, sandbox)
         self._offered = ray.cluster_resources()
-        for resource in [r for r in queues if int(self._offered.get(r, 0)) == 0]:
+        for resource in [r for r in queues if not self._can_place(r)]:
+            placement = self._placements[resource][0]
+            gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
             for p in queues.pop(resource):
-                result = _failed(p.unit, f"no Ray node offers resource {resource!r}; start one with "
-                                         f"ray start --resources '{{\"{resource}\": SLOTS}}'", retryable=True)
+                result = _failed(p.unit, f"no Ray node offers resource {resource!r}{gpus}, so nothing could build it; "
+                                         f"start a node that can with ray start --resources \"$(farm resources)\"",
+                                 retryable=True)
                 events.finished(p.unit, result)
                 yield p.unit, result
         budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))
@@ -139,7 +146,10 @@ class RayRunner:
         """Queue each unit for its device class, after failing what cannot be placed and answering
         hits here when lookup_first is on."""
         for unit in units:
-            resource = _route(unit)
+            placement = _route(unit)
+            resource = placement.device_class if placement else None
+            if placement is not None:
+                self._placements[resource] = (placement, resolve(unit.target).device)
             if resource is None:  # cannot be placed anywhere: fail it here, quickly, with the reason
                 events.started(unit)
                 result = run_unit(unit, store, sandbox)
@@ -150,6 +160,11 @@ class RayRunner:
                 yield unit, hit
             else:
                 queues[resource].append(_Pending(unit))
+
+    def _can_place(self, resource: str) -> bool:
+        placement = self._placements[resource][0]
+        return (int(self._offered.get(resource, 0)) > 0 and self._offered.get("GPU", 0) >= placement.gpus
+                and all(self._offered.get(r, 0) >= n for r, n in placement.extra.items()))
 
     def _most_starved(self, queues) -> str | None:
         """The device class with the fewest workers per queued unit, among those with fewer workers
@@ -212,14 +227,13 @@ class RayRunner:
                 yield unit, result
 
 
-def _route(unit: Unit) -> str | None:
+def _route(unit: Unit) -> Placement | None:
     if unit.program is None:
         return None
     try:
-        backend = resolve(unit.target)
+        return resolve(unit.target).placement(unit.target)
     except LoweringError:
         return None
-    return next(iter(backend.placement(unit.target)))
 
 
 def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:
@@ -244,10 +258,8 @@ def ray_session(address: str | None, slots: int | None = None) -> Iterator[RaySe
     if address:
         ctx = ray.init(address=address, namespace="farm", log_to_driver=False)
     else:
-        from workers.backends.cpu_isa import host_resources
-
         slots = slots or os.cpu_count() or 1
-        ctx = ray.init(num_cpus=slots, resources=host_resources(slots), namespace="farm", include_dashboard=True,
+        ctx = ray.init(num_cpus=slots, resources=offered_resources(slots), namespace="farm", include_dashboard=True,
                        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         url = ctx.dashboard_url

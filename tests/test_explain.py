@@ -38,8 +38,12 @@ def test_a_retrained_checkpoint_misses_because_of_its_weights(zoo_runs, retraine
 
 def test_a_new_compiler_shows_up_as_the_difference(zoo_runs, zoo_dir, monkeypatch):
     store = zoo_runs[0]
-    upgraded = {**keys.toolchain(), "torch": "2.14.0", "cxx_version": "g++ (GCC) 14.1.0"}
+    from workers.backends import cxx
+
+    upgraded = {**keys.toolchain(), "torch": "2.14.0"}
+    compiler = {**cxx.compiler(), "cxx_version": "g++ (GCC) 14.1.0"}
     monkeypatch.setattr(keys, "toolchain", lambda: upgraded)  # as if the worker image had been upgraded
+    monkeypatch.setattr(cxx, "compiler", lambda: compiler)
     outcome = execute(parse_job({"graphs": [str(zoo_dir / "cnn.pt2")], "targets": ["aoti-cpu"]}), store)
     assert outcome.results[0].status == "compiled"
     out = _farm("explain", "--job", outcome.job_id, "--store", store.uri)

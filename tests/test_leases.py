@@ -97,7 +97,8 @@ def _key_of(unit, store) -> str:
 
     path = store.fetch(unit.program.digest, store.backend.root / "p.pt2")
     identity = program_identity(load_program(path, "p"))
-    return key_of(key_components(identity, resolve(unit.target).target_components(unit.target), {}))
+    backend = resolve(unit.target)
+    return key_of(key_components(identity, backend.target_components(unit.target), {}, backend.toolchain(unit.target)))
 
 
 @pytest.mark.slow

@@ -19,8 +19,20 @@ CPU_PRESETS: dict[str, dict[str, Any]] = {
     "coordinate_descent_tuning": {"coordinate_descent_tuning": True},
     "single_thread": {"cpp.threads": 1},
 }
+# …and a CUDA target: which GEMM implementations max-autotune may pick from (cuBLAS via ATen,
+# Triton templates), Triton's own tuning of pointwise and reduction kernels, CUDA graphs.
+CUDA_PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "max_autotune": {"max_autotune": True},
+    "max_autotune_triton_gemm": {"max_autotune": True, "max_autotune_gemm_backends": "TRITON"},
+    "max_autotune_aten_triton": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"},
+    "coordinate_descent_tuning": {"coordinate_descent_tuning": True},
+    "max_autotune_coordinate_descent": {"max_autotune": True, "coordinate_descent_tuning": True},
+    "freezing": {"freezing": True},
+}
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "aoti-cpu": CPU_PRESETS,  # always a C++ wrapper: no wrapper choice to make
+    "aoti-cuda": CUDA_PRESETS,
     "inductor-cache": {**CPU_PRESETS, "cpp_wrapper": {"cpp_wrapper": True}},  # torch.compile: Python or C++ wrapper
 }
 DEFAULT_SPACE = ("default", "max_autotune", "freezing")

@@ -1,5 +1,8 @@
 """Latency: median and spread over repeated runs after warm-up, eager and compiled on the
-same inputs. The spread (interquartile range) is the noise a faster candidate must beat."""
+same inputs. The spread (interquartile range) is the noise a faster candidate must beat.
+
+On a GPU each run is timed with CUDA events recorded on the stream around it and waited for,
+so a run's time is the device's, not how long the host took to queue its kernels."""
 from __future__ import annotations
 
 import statistics
@@ -18,15 +21,29 @@ class Timing:
     spread_ms: float  # interquartile range of the runs
 
 
-def measure(fn: Callable, inputs: InputSet, warmup: int, repeat: int) -> Timing:
+def _time_cpu(fn: Callable, inputs: InputSet) -> float:
+    start = time.perf_counter()
+    fn(*inputs.args, **inputs.kwargs)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def _time_cuda(fn: Callable, inputs: InputSet) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*inputs.args, **inputs.kwargs)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def measure(fn: Callable, inputs: InputSet, warmup: int, repeat: int, device: str = "cpu") -> Timing:
+    once = _time_cuda if device == "cuda" else _time_cpu
     with torch.inference_mode():
         for _ in range(warmup):
             fn(*inputs.args, **inputs.kwargs)
-        times = []
-        for _ in range(max(1, repeat)):
-            start = time.perf_counter()
-            fn(*inputs.args, **inputs.kwargs)
-            times.append((time.perf_counter() - start) * 1000.0)
+        if device == "cuda":
+            torch.cuda.synchronize()  # warm-up work queued on the device is not the first run's
+        times = [once(fn, inputs) for _ in range(max(1, repeat))]
     if len(times) < 4:
         return Timing(statistics.median(times), max(times) - min(times))
     q1, _, q3 = statistics.quantiles(times, n=4)

@@ -18,6 +18,11 @@ class InputSet:
     args: tuple
     kwargs: dict[str, Any]
 
+    def to(self, device: str) -> "InputSet":
+        """The same inputs on device (tensors moved, everything else as is)."""
+        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return InputSet(self.label, pytree.tree_map(move, self.args), pytree.tree_map(move, self.kwargs))
+
 
 def _user_input_vals(ep: ExportedProgram) -> list[Any]:
     user = set(ep.graph_signature.user_inputs)

@@ -8,59 +8,34 @@ import functools
 import hashlib
 import json
 import platform
-import shutil
-import subprocess
 import sys
 from typing import Any
 
 import torch
 
 # Bump whenever the inputs to the hash (or their meaning) change.
-KEY_VERSION = 2  # 2: weights mode in the program identity; compiler name and version apart
-
-
-@functools.cache
-def _compiler_version(cxx: str) -> str:
-    path = shutil.which(cxx)
-    if not path:
-        return "not found"
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unknown ({e})"
-    return out.splitlines()[0].strip() if out else "unknown"
+KEY_VERSION = 3  # 3: backend-specific toolchain (compiler, CUDA, Triton only where the backend uses them)
 
 
 @functools.cache
 def toolchain() -> dict[str, Any]:
-    from torch._inductor import config
-
-    cxx = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) else str(config.cpp.cxx)
-    try:
-        import triton  # noqa: F401  (GPU installs only)
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+    """What every artifact depends on; each backend adds its own tools (Backend.toolchain)."""
     return {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "cxx": cxx,
-        "cxx_version": _compiler_version(cxx),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "platform": sys.platform,
     }
 
 
-def key_components(program: dict[str, str], target: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def key_components(program: dict[str, str], target: dict[str, Any], options: dict[str, Any],
+                   tools: dict[str, Any]) -> dict[str, Any]:
     return {
         "key_version": KEY_VERSION,
         "program": program,
         "target": target,
-        "toolchain": toolchain(),
+        "toolchain": {**toolchain(), **tools},
         "options": {k: options[k] for k in sorted(options)},
     }
 

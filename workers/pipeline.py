@@ -86,7 +86,8 @@ class _Ctx:
     def step(self, name: str, **kwargs: Any) -> dict[str, Any]:
         """Run a step in the sandbox; its output goes to the unit log, its failure fails the unit."""
         try:
-            reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline, unit=self.unit, **kwargs)
+            reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline, device=self.backend.device,
+                                      unit=self.unit, **kwargs)
         except SandboxFailed as e:
             self.log.output(e.output, "the sandbox")
             raise UnitFailed(str(e), e.retryable) from None
@@ -177,7 +178,8 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
         identity, built_with = _identify(ctx)
         put_identity(store, unit.program.digest, variant, {"identity": identity, "built_with": built_with})
     with phase("load"):
-        result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict)
+        result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict,
+                                           ctx.backend.toolchain(unit.target))
         result.key = key_of(result.components)
     log.note(f"key {result.key} (weights: {unit.target.weights})")
 

@@ -10,6 +10,11 @@ this process lives on and starts a fresh child for the next unit.
 The child stays warm between units (torch's import and Inductor's set-up are paid once), and
 is replaced after any failure, so a child that met a bad graph never serves another unit.
 
+A child runs for one device: a CPU child sees no GPU; a CUDA child sees the worker's GPU and
+is limited by RLIMIT_DATA instead of RLIMIT_AS (CUDA reserves far more address space than it
+uses, and fails under an address-space limit). After a CUDA child crashed or hung, the GPU is
+checked (workers/backends/cuda.py) before another child may use it.
+
 Requests go down as pickles (the child trusts us); replies come back as size-capped JSON on
 their own pipe (we do not trust the child), and the child's stdout/stderr go to a file per
 request that we read back even after a crash.
@@ -92,7 +97,8 @@ class Sandbox:
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._replies: int | None = None
-        self._limits: tuple[float, float] | None = None
+        self._limits: tuple[float, float, str] | None = None  # memory, file size, device of the running child
+        self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
         self._base: Path | None = None  # made when a child first starts: a plain hit never needs one
@@ -109,12 +115,14 @@ class Sandbox:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc and self._proc.poll() is None else None
 
-    def call(self, step: str, cwd: Path, limits: UnitLimits, deadline: float, **kwargs: Any) -> dict[str, Any]:
-        """Run one step in the child, in the unit's temp dir cwd, until the monotonic deadline."""
-        if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb):
-            self._kill()  # set when the child started: another job's limits need a fresh one
+    def call(self, step: str, cwd: Path, limits: UnitLimits, deadline: float, device: str = "cpu",
+             **kwargs: Any) -> dict[str, Any]:
+        """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
+        the monotonic deadline."""
+        if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb, device):
+            self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
         if self._proc is None or self._proc.poll() is not None:
-            self.prestart(limits)
+            self.prestart(limits, device)
         if self._spawned is not None:
             waited = self._wait_ready()
             deadline += waited  # the child's start (torch's import) is not the unit's time
@@ -129,11 +137,13 @@ class Sandbox:
             self.cost.add(time.perf_counter() - sent, reply.get("step_s"))
         except (SandboxFailed, BrokenPipeError, OSError) as e:
             message = str(e) if isinstance(e, SandboxFailed) else self._death(limits)
+            self._gpu_suspect |= device == "cuda"
             self._kill()
             output = _read_text(log)
             raise SandboxFailed(f"{step}: {message}", output) from None
         output = _read_text(log)
         if reply.get("error"):
+            self._gpu_suspect |= device == "cuda" and "CUDA error" in str(reply["error"])  # e.g. an illegal address
             self._kill()  # a child that met a bad input never serves another unit
             raise SandboxFailed(str(reply["error"])[:4000], output, retryable=bool(reply.get("retryable")))
         result = reply.get("result")
@@ -142,10 +152,12 @@ class Sandbox:
             raise SandboxFailed(f"{step}: the sandbox answered with {type(result).__name__}, not a mapping", output)
         return {**result, "output": output}
 
-    def prestart(self, limits: UnitLimits) -> None:
+    def prestart(self, limits: UnitLimits, device: str = "cpu") -> None:
         """Start a child now, without waiting for it: it imports torch while the worker does other things."""
         if self._proc is not None and self._proc.poll() is None:
             return
+        if device == "cuda" and self._gpu_suspect:
+            self._check_gpu()
         self._spawned = time.monotonic()
         self._base = self._base or Path(tempfile.mkdtemp(prefix="farm-sandbox-"))
         home = self._base / f"home-{self.starts}"
@@ -153,16 +165,31 @@ class Sandbox:
         read, write = os.pipe()
         startup_log = self._base / f"startup-{self.starts}.log"
         startup = open(startup_log, "wb")
-        self._limits = (limits.memory_gb, limits.file_gb)
+        self._limits = (limits.memory_gb, limits.file_gb, device)
+        env = child_env(home)
+        if device != "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.sandbox_child", str(write), json.dumps(asdict(limits))],
+            [sys.executable, "-m", "workers.sandbox_child", str(write), json.dumps(asdict(limits)), device],
             stdin=subprocess.PIPE, stdout=startup, stderr=startup, cwd=home,
-            env=child_env(home), pass_fds=(write,), start_new_session=True, close_fds=True)
+            env=env, pass_fds=(write,), start_new_session=True, close_fds=True)
         os.close(write)
         startup.close()
         self._replies = read
         self._startup_log = startup_log
         self.starts += 1
+
+    def _check_gpu(self) -> None:
+        """After a CUDA child crashed or hung: is the GPU still usable? Refuse to start one on it if not."""
+        from workers.backends import cuda
+
+        cuda.forget()
+        try:
+            cuda.own_gpu()
+        except cuda.GpuUnavailable as e:
+            raise SandboxFailed(f"the GPU failed its check after a sandbox crashed or hung on it: {e}",
+                                retryable=True) from None
+        self._gpu_suspect = False
 
     def _wait_ready(self) -> float:
         """Wait for the child's first message (torch imported); how long this call waited."""

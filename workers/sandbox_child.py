@@ -2,7 +2,7 @@
 any input, then run one step per request, each in its unit's temp dir with its output in
 that request's log file, and answer in JSON.
 
-    python -m workers.sandbox_child REPLY_FD LIMITS_JSON
+    python -m workers.sandbox_child REPLY_FD LIMITS_JSON DEVICE
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ HEADER_BYTES = 8
 GiB = 1 << 30
 
 
-def _apply_limits(limits: UnitLimits) -> None:
+def _apply_limits(limits: UnitLimits, device: str) -> None:
     memory = int(limits.memory_gb * GiB)
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    # CUDA reserves tens of GiB of address space it never touches, so an address-space limit
+    # breaks it ("CUDA error: out of memory" at the first tensor); RLIMIT_DATA bounds the heap.
+    resource.setrlimit(resource.RLIMIT_DATA if device == "cuda" else resource.RLIMIT_AS, (memory, memory))
     size = int(limits.file_gb * GiB)
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash must not leave gigabytes of core behind
@@ -74,8 +76,8 @@ def _log_to_stderr() -> None:
 
 
 def main() -> None:
-    reply_fd, limits = int(sys.argv[1]), UnitLimits(**json.loads(sys.argv[2]))
-    _apply_limits(limits)
+    reply_fd, limits, device = int(sys.argv[1]), UnitLimits(**json.loads(sys.argv[2])), sys.argv[3]
+    _apply_limits(limits, device)
     replies = os.fdopen(reply_fd, "wb")
     requests = sys.stdin.buffer
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)

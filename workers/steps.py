@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.archive import ArchiveLimits, GiB, HostileArchive, check_archive
-from workers.autotune_share import benchmarked
+from workers.autotune_share import autotunes, benchmarked
 from workers.backends import LoweringError, resolve
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
@@ -48,9 +48,22 @@ def own_inductor_config() -> Iterator[None]:
         config.load_config(saved)
 
 
+@contextlib.contextmanager
+def alone_on_device(device: str, needed: bool = True) -> Iterator[None]:
+    """Timings on a GPU shared by several workers are taken one worker at a time."""
+    if device != "cuda" or not needed:
+        yield
+        return
+    from workers.backends.cuda import exclusive_gpu
+
+    with exclusive_gpu():
+        yield
+
+
 class Steps:
     def __init__(self) -> None:
         self._loaded: tuple[str, ExportedProgram] | None = None  # (unit id, its program)
+        self._prepared: ExportedProgram | None = None  # the loaded program on the target's device
         self._compiled: tuple[str, Any] | None = None  # (artifact path, the loaded artifact): verify, then benchmark
 
     def _program(self, unit: Unit) -> ExportedProgram:
@@ -58,9 +71,15 @@ class Steps:
             raise StepFailed(f"{unit.unit_id}: no program loaded in this sandbox (identify first)")
         return self._loaded[1]
 
+    def _on_device(self, unit: Unit) -> ExportedProgram:
+        """The program as the backend lowers and runs it (e.g. moved to the GPU); made once per unit."""
+        if self._prepared is None:
+            self._prepared = resolve(unit.target).prepare(self._program(unit), unit.target)
+        return self._prepared
+
     def identify(self, unit: Unit, program: str) -> dict[str, Any]:
         """Load the graph (checked first, see workers/archive.py) and name its content."""
-        self._loaded = self._compiled = None
+        self._loaded = self._prepared = self._compiled = None
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
         if unit.specialize:
             where, size = unit.specialize
@@ -74,10 +93,11 @@ class Steps:
         return {"identity": identity, "built_with": built_with}
 
     def lower(self, unit: Unit, workdir: str) -> dict[str, Any]:
-        ep, backend = self._program(unit), resolve(unit.target)
+        backend = resolve(unit.target)
+        ep = self._on_device(unit)
         before = benchmarked()
-        try:
-            with own_inductor_config():
+        try:  # max-autotune times kernels while it lowers: those timings are taken alone on the GPU too
+            with own_inductor_config(), alone_on_device(backend.device, autotunes(unit.target)):
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise
@@ -89,15 +109,14 @@ class Steps:
     def check(self, unit: Unit, artifact: str, verify_it: bool, bench_it: bool) -> dict[str, Any]:
         """Load an artifact (a freshly lowered one, or one from the store), verify it against the
         program run eagerly and measure both."""
-        ep = self._program(unit)
+        ep, device = self._on_device(unit), resolve(unit.target).device
         compiled = self._load_artifact(unit, ep, Path(artifact))
         out: dict[str, Any] = {"metrics": {}, "checked": [], "problems": []}
-        sets = None
+        try:  # made on the CPU from the program as exported (random sizes need a CPU generator), then moved
+            sets = [s.to(device) for s in input_sets(self._program(unit), unit.verify.extra_sizes if verify_it else 0)]
+        except ValueError as e:
+            raise StepFailed(str(e)) from e
         if verify_it:
-            try:
-                sets = input_sets(ep, unit.verify.extra_sizes)
-            except ValueError as e:
-                raise StepFailed(str(e)) from e
             report = verify(ep.module(), compiled, sets, unit.verify.atol, unit.verify.rtol)
             print(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, "
                   f"max rel {report.max_rel_err:.3g}")
@@ -106,7 +125,8 @@ class Steps:
             if not report.ok:
                 return out
         if bench_it:
-            out["metrics"].update(self._benchmark(unit, ep, compiled, (sets or input_sets(ep, 0))[0]))
+            with alone_on_device(device):
+                out["metrics"].update(self._benchmark(unit, ep, compiled, sets[0], device))
         return out
 
     def _load_artifact(self, unit: Unit, ep: ExportedProgram, path: Path) -> Any:
@@ -121,18 +141,19 @@ class Steps:
         self._compiled = (str(path), compiled)
         return compiled
 
-    def _benchmark(self, unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any) -> dict[str, float]:
-        eager = measure(ep.module(), inputs, unit.bench.warmup, unit.bench.repeat)
-        fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat)
+    def _benchmark(self, unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any, device: str) -> dict[str, float]:
+        eager = measure(ep.module(), inputs, unit.bench.warmup, unit.bench.repeat, device)
+        fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat, device)
         metrics = dict(eager_ms=eager.median_ms, compiled_ms=fast.median_ms, compiled_spread_ms=fast.spread_ms,
                        speedup=eager.median_ms / fast.median_ms)
         print(f"eager {eager.median_ms:.3f} ms, compiled {fast.median_ms:.3f} ms ± {fast.spread_ms:.3f} "
               f"(median and interquartile range of {unit.bench.repeat} runs)")
-        dims = dynamic_dims(ep)
+        exported = self._program(unit)
+        dims = dynamic_dims(exported)
         for where, size in unit.hot_sizes:  # where a specialization would compete with this artifact
             if where in dims:
-                at = inputs_at(ep, {dims[where][0]: size}, f"{where}={size}", torch.Generator().manual_seed(0))
-                hot = measure(compiled, at, unit.bench.warmup, unit.bench.repeat)
+                at = inputs_at(exported, {dims[where][0]: size}, f"{where}={size}", torch.Generator().manual_seed(0))
+                hot = measure(compiled, at.to(device), unit.bench.warmup, unit.bench.repeat, device)
                 metrics.update({f"compiled_ms@{where}={size}": hot.median_ms,
                                 f"compiled_spread_ms@{where}={size}": hot.spread_ms})
                 print(f"at {where}={size}: compiled {hot.median_ms:.3f} ms ± {hot.spread_ms:.3f}")

@@ -1,15 +1,16 @@
 """The only place that knows which lowering backends exist."""
 from __future__ import annotations
 
-from workers.backends.base import Backend, LoweringError
+from workers.backends.base import Backend, LoweringError, Placement
 from workers.unit import Target
 
 
 def _registry() -> dict[str, Backend]:
     from workers.backends.aoti_cpu import AotiCpu
+    from workers.backends.aoti_cuda import AotiCuda
     from workers.backends.inductor_cache import InductorCache
 
-    return {b.name: b for b in (AotiCpu(), InductorCache())}
+    return {b.name: b for b in (AotiCpu(), AotiCuda(), InductorCache())}
 
 
 def backend_names() -> list[str]:
@@ -23,6 +24,15 @@ def get_backend(name: str) -> Backend:
     return backends[name]
 
 
+def offered_resources(slots: int) -> dict[str, float]:
+    """What this host offers Ray for every backend, with `slots` CPU workers (for `ray start --resources`)."""
+    offers: dict[str, float] = {}
+    for backend in _registry().values():
+        for name, count in backend.offers(slots).items():
+            offers[name] = max(offers.get(name, 0.0), count)
+    return offers
+
+
 def resolve(target: Target) -> Backend:
     """The backend for a target, once the target is known to make sense for it."""
     backend = get_backend(target.backend)
@@ -33,4 +43,4 @@ def resolve(target: Target) -> Backend:
     return backend
 
 
-__all__ = ["Backend", "LoweringError", "backend_names", "get_backend", "resolve"]
+__all__ = ["Backend", "LoweringError", "Placement", "backend_names", "get_backend", "offered_resources", "resolve"]

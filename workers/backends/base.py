@@ -1,6 +1,7 @@
 """The plug-in point for lowering targets: one protocol, one file per backend."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -17,19 +18,45 @@ class LoweringError(Exception):
         self.retryable = retryable
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What one unit's worker needs from Ray.
+
+    `device_class` is the custom resource that routes the unit (a node offers it once per worker
+    slot that can build the target: `farm_cpu_avx2`, `farm_cuda_sm90`); `cpus` and `gpus` are
+    Ray's own resources per worker (a fraction of a GPU lets several lowering workers share one)."""
+    device_class: str
+    cpus: float = 1.0
+    gpus: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)  # other custom resources, e.g. a rack label
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """The custom resources (Ray's `resources=` option)."""
+        return {self.device_class: 1.0, **self.extra}
+
+
 class Backend(Protocol):
     name: str
     # True if the generated code depends on weight values, so `weights: shapes` is impossible.
     weights_in_code: bool
+    # Where the program, its example inputs and the artifact run: "cpu" or "cuda".
+    device: str
 
     def validate(self, target: Target) -> None:
         """Raise LoweringError if the target's fields make no sense for this backend."""
 
     def target_components(self, target: Target) -> dict[str, Any]:
-        """What about the target decides the artifact (device class, ISA, flags): goes into the key."""
+        """What about the target decides the artifact (device class, ISA or SM, flags): goes into the key."""
 
-    def placement(self, target: Target) -> dict[str, float]:
-        """Custom resources a worker must hold to take this target (routes units to matching nodes)."""
+    def toolchain(self, target: Target) -> dict[str, Any]:
+        """The tools besides torch and Python that decide the artifact (compiler, CUDA, Triton): goes into the key."""
+
+    def placement(self, target: Target) -> Placement:
+        """What a worker must hold to take this target (routes units to matching nodes)."""
+
+    def offers(self, slots: int) -> dict[str, float]:
+        """The custom resources this host offers for this backend's targets, with `slots` workers."""
 
     def device_fingerprint(self, target: Target) -> dict[str, Any]:
         """What about this worker's device decides kernel timings (autotuning is shared by it)."""
@@ -37,8 +64,11 @@ class Backend(Protocol):
     def host_problem(self, target: Target) -> str | None:
         """Why this host cannot build (or run) for the target, or None."""
 
+    def prepare(self, ep: ExportedProgram, target: Target) -> ExportedProgram:
+        """The program as it is lowered, verified and benchmarked (e.g. moved to the GPU)."""
+
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
-        """Compile ep into a single artifact file under workdir and return its path."""
+        """Compile ep (as `prepare` gave it) into a single artifact file under workdir and return its path."""
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
         """A callable taking the program's (args, kwargs), refusing artifacts this host can't run.
@@ -46,4 +76,3 @@ class Backend(Protocol):
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         """Facts about the artifact for the manifest (format, ISA recorded in it, how to load)."""
-

@@ -12,9 +12,13 @@ import platform
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
 from torch._inductor import cpu_vec_isa
 
-from workers.backends.base import LoweringError
+from torch.export import ExportedProgram
+
+from workers.backends import cxx
+from workers.backends.base import LoweringError, Placement
 from workers.unit import Target
 
 
@@ -77,11 +81,18 @@ def host_resources(slots: int) -> dict[str, float]:
     return {isa_resource(name): float(slots) for name, isa in ISAS.items() if not isa.vec_isa or isa.vec_isa in have}
 
 
+def can_pin() -> bool:
+    """Whether this torch's Inductor can pin the ISA at all (`cpp.march` is newer than torch 2.11)."""
+    from torch._inductor import config
+
+    return hasattr(config.cpp, "march")
+
+
 class PinnedCpuTarget:
-    """validate / target_components / placement / host_problem for a backend whose targets
-    are `<name>[:isa]` on x86 CPUs."""
+    """Everything but lowering and loading, for a backend whose targets are `<name>[:isa]` on x86 CPUs."""
 
     name: str
+    device = "cpu"
 
     def isa(self, target: Target) -> tuple[str, Isa]:
         name = target.isa or DEFAULT_ISA
@@ -96,8 +107,17 @@ class PinnedCpuTarget:
         name, isa = self.isa(target)
         return {"backend": self.name, "device": "cpu", "isa": name, "march": isa.march, "simdlen": isa.simdlen}
 
-    def placement(self, target: Target) -> dict[str, float]:
-        return {isa_resource(self.isa(target)[0]): 1}
+    def toolchain(self, target: Target) -> dict[str, Any]:
+        return cxx.compiler()
+
+    def placement(self, target: Target) -> Placement:
+        return Placement(isa_resource(self.isa(target)[0]))
+
+    def offers(self, slots: int) -> dict[str, float]:
+        return host_resources(slots)
+
+    def prepare(self, ep: ExportedProgram, target: Target) -> ExportedProgram:
+        return ep
 
     def device_fingerprint(self, target: Target) -> dict[str, Any]:
         return {"device": "cpu", "cpu_model": cpu_model(), "vec_isas": sorted(host_vec_isas()), "isa": self.isa(target)[0]}
@@ -107,4 +127,7 @@ class PinnedCpuTarget:
         have = host_vec_isas()
         if isa.vec_isa and isa.vec_isa not in have:
             return f"this host cannot build or run {name} code (it has: {', '.join(sorted(have)) or 'no vector ISA'})"
-        return None
+        if not can_pin():
+            return (f"torch {torch.__version__} cannot pin Inductor's CPU ISA (it has no cpp.march setting), so "
+                    f"{self.name} would build for this host's CPU only; CPU targets need torch 2.13")
+        return cxx.libstdcxx_problem()

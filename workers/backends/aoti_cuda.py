@@ -1,0 +1,136 @@
+"""AOTInductor for NVIDIA GPUs: `aoti-cuda[:sm_XX]`.
+
+The program is moved to the GPU with torch's `move_to_device_pass` and lowered where a GPU is
+visible (Inductor compiles Triton kernels for the device it sees, so an `sm_90` target is built
+on an sm_90 GPU: units route by the node's `farm_cuda_sm90` resource, and the worker checks its
+GPU before building). The package carries each kernel as a cubin for that architecture, so
+loading it on such a GPU JIT-compiles nothing; loading it on another architecture is refused.
+
+The C++ wrapper runs on the host CPU: it is pinned to x86-64-v3 where Inductor can pin it
+(`cpp.march`), else it is built for the build host's CPU and the key says so.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.export import ExportedProgram
+
+from workers.backends import cpu_isa, cuda, cxx
+from workers.backends.aoti_cpu import WEIGHTS_OUT_OF_CODE, load_with_weights, package_metadata, program_constants
+from workers.backends.base import LoweringError, Placement
+from workers.unit import Target
+
+WRAPPER_ISA = "avx2"  # what the wrapper's host code may use when it can be pinned
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _kernels(artifact: Path) -> list[str]:
+    with zipfile.ZipFile(artifact) as z:
+        return [n for n in z.namelist() if n.endswith((".cubin", ".fatbin"))]
+
+
+class AotiCuda:
+    name = "aoti-cuda"
+    weights_in_code = False  # as aoti-cpu: `weights: shapes` keeps them out of the code
+    device = "cuda"
+
+    def arch(self, target: Target) -> str:
+        """The SM the artifact is for: the target's, or this worker's GPU's."""
+        if target.isa:
+            return target.isa
+        try:
+            return cuda.own_gpu().arch
+        except cuda.GpuUnavailable as e:
+            raise LoweringError(f"target {target.label} means this worker's GPU architecture, and it has none ({e}); "
+                                f"name one, e.g. {self.name}:sm_90", retryable=True) from None
+
+    def validate(self, target: Target) -> None:
+        if target.isa and not cuda.ARCH.fullmatch(target.isa):
+            raise LoweringError(f"target {target.label}: {target.isa!r} is not a GPU architecture; "
+                                f"write it as sm_XX, e.g. {self.name}:sm_90 for H100")
+
+    def _wrapper(self) -> tuple[str, dict[str, Any]]:
+        if cpu_isa.can_pin():
+            return WRAPPER_ISA, cpu_isa.ISAS[WRAPPER_ISA].inductor_configs
+        return "native:" + ",".join(sorted(cpu_isa.host_vec_isas())), {}
+
+    def target_components(self, target: Target) -> dict[str, Any]:
+        return {"backend": self.name, "device": "cuda", "arch": self.arch(target), "wrapper_isa": self._wrapper()[0]}
+
+    def toolchain(self, target: Target) -> dict[str, Any]:
+        # the driver is not here: packages hold cubins for the architecture, which any recent driver loads
+        return {**cxx.compiler(), "cuda": torch.version.cuda, "triton": _triton_version()}
+
+    def placement(self, target: Target) -> Placement:
+        return Placement(cuda.arch_resource(target.isa), cpus=1.0, gpus=1.0 / cuda.WORKERS_PER_GPU)
+
+    def offers(self, slots: int) -> dict[str, float]:
+        return cuda.host_resources()
+
+    def device_fingerprint(self, target: Target) -> dict[str, Any]:
+        try:
+            return cuda.own_gpu().fingerprint
+        except cuda.GpuUnavailable as e:
+            raise LoweringError(f"no GPU to fingerprint ({e})", retryable=True) from None
+
+    def host_problem(self, target: Target) -> str | None:
+        try:
+            gpu = cuda.own_gpu()
+        except cuda.GpuUnavailable as e:
+            return f"this worker cannot build {target.label}: {e}"
+        if target.isa and target.isa != gpu.arch:
+            return f"this worker's GPU is {gpu.name} ({gpu.arch}), not {target.isa}; {target.label} is built on a {target.isa} GPU"
+        return cxx.libstdcxx_problem()
+
+    def prepare(self, ep: ExportedProgram, target: Target) -> ExportedProgram:
+        from torch.export.passes import move_to_device_pass
+
+        return move_to_device_pass(ep, "cuda")
+
+    def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
+        arch = self.arch(target)
+        configs = {**target.options_dict, **self._wrapper()[1]}
+        if target.weights == "shapes":
+            configs.update(WEIGHTS_OUT_OF_CODE)
+        out = workdir / "artifact.pt2"
+        path = Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=configs))
+        recorded = package_metadata(path).get("AOTI_COMPUTE_CAPABILITY", "")
+        if f"sm_{recorded}" != arch:
+            raise LoweringError(f"asked for {arch} but the package records compute capability {recorded!r}; not publishing it")
+        if not _kernels(path) and not configs.get("aot_inductor.embed_kernel_binary"):
+            raise LoweringError("the package holds no compiled GPU kernels (.cubin); it would compile them when loaded")
+        return path
+
+    def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
+        recorded = "sm_" + package_metadata(artifact).get("AOTI_COMPUTE_CAPABILITY", "?")
+        here = torch.cuda.get_device_capability()
+        if recorded != f"sm_{here[0]}{here[1]}":
+            raise LoweringError(f"{artifact} holds {recorded} kernels and this GPU is sm_{here[0]}{here[1]}; "
+                                f"fetch the build for this GPU", retryable=True)
+        if target.weights == "shapes" and ep is not None:
+            return load_with_weights(artifact, program_constants(ep))
+        return torch._inductor.aoti_load_package(str(artifact))
+
+    def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
+        meta = package_metadata(artifact)
+        facts = {
+            "format": "aoti-package",
+            "device": "cuda",
+            "arch": "sm_" + meta.get("AOTI_COMPUTE_CAPABILITY", "?"),
+            "wrapper_isa": meta.get("AOTI_CPU_ISA"),
+            "kernels": len(_kernels(artifact)),
+            "load": "torch._inductor.aoti_load_package(PATH)  # on a GPU of this arch; inputs on cuda",
+        }
+        if target.weights == "shapes":
+            facts["load_other_weights"] = "farm.client.load_compiled(PATH, weights_from='checkpoint.pt2')"
+        return facts
