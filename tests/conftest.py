@@ -15,7 +15,6 @@ os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 from storage import store_from_uri
-from tests.seaweed import S3Server, start_seaweed
 
 _bucket_ids = itertools.count()
 
@@ -29,7 +28,9 @@ def worker_disk_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory) -> S3Server:
+def s3_server(tmp_path_factory):
+    from tests.seaweed import start_seaweed  # boto3: only where a test needs S3
+
     server = start_seaweed(tmp_path_factory.mktemp("seaweed"))
     saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())  # boto3's standard chain is how the farm finds S3
@@ -88,14 +89,15 @@ def zoo_runs(zoo_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """Head (2 CPUs, builds avx2) and a second node (1 CPU, builds only scalar x86-64),
-    with the test process joined to it as the driver."""
+    """Head (2 CPUs, builds avx2) and a second node (1 CPU, builds only scalar x86-64, and claims
+    one sm_90 GPU it does not have: a fake GPU class for routing), with the test process joined
+    to it as the driver."""
     import ray
 
     from tests.raycluster import start_cluster
 
-    cluster = start_cluster(tmp_path_factory.mktemp("inductor-cache"),
-                            head_resources={"farm_cpu_avx2": 2}, node_resources={"farm_cpu_x86_64": 1})
+    cluster = start_cluster(tmp_path_factory.mktemp("inductor-cache"), head_resources={"farm_cpu_avx2": 2},
+                            node_resources={"farm_cpu_x86_64": 1, "farm_cuda_sm90": 1, "farm_cuda": 1}, node_gpus=1)
     ray.init(address=cluster.address, namespace="farm", log_to_driver=False)
     yield cluster
     ray.shutdown()

@@ -36,7 +36,8 @@ def _ray() -> str:
     return str(Path(sys.executable).parent / "ray")
 
 
-def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict) -> RayCluster:
+def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, node_gpus: int = 0) -> RayCluster:
+    """node_gpus: GPUs the second node claims to have (Ray believes it; no GPU is needed to route)."""
     port = _free_port(HEAD_IP)
     env = {
         **os.environ,
@@ -50,7 +51,7 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict) -
     head = [_ray(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
             f"--resources={json.dumps(head_resources)}", *common]
     node = [_ray(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
-            f"--resources={json.dumps(node_resources)}", "--disable-usage-stats"]
+            f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats"]
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:

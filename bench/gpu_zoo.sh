@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The farm on one GPU host, without Ray (issue 10's GPU run): the smoke zoo through aoti-cuda in
+# process (`farm compile`), one compile process per model at once so several workers share the
+# GPU, then one autotune job, then the GPU tests. Figures go to OUTDIR (default $OUT or /tmp/farm-gpu).
+#
+#   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
+#
+# The host's own torch is used (pip is not needed); pure-Python dependencies it lacks must be on
+# PYTHONPATH. If $CXX names a compiler other than the system g++ (the lent H100 machine sets
+# CXX=/opt/gcc/bin/g++), the first step compiles mlp with it; the rest use the system g++.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-/tmp/farm-gpu}}
+target=${TARGET:-aoti-cuda}
+py=${PYTHON:-python3}
+work=$(mktemp -d /tmp/farm-gpu-XXXX)
+store=$work/store
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton  # cold: fresh caches
+
+"$py" -m farm zoo export "$work/zoo" > "$out/export.log" 2>&1 || { cat "$out/export.log"; exit 1; }
+other_cxx=${CXX:-}
+export CXX=/usr/bin/g++
+
+echo "== zoo through $target, one process per model"
+start=$(date +%s)
+for model in mlp cnn encoder_block gpt; do
+  "$py" -m farm compile "$work/zoo/$model.pt2" -t "$target" --store "$store" > "$out/compile_$model.log" 2>&1 &
+done
+if [[ -n $other_cxx && $other_cxx != /usr/bin/g++ ]]; then  # meanwhile, mlp with the host's own CXX
+  CXX=$other_cxx "$py" -m farm compile "$work/zoo/mlp.pt2" -t "$target" --store "$work/other-cxx" \
+    > "$out/other_cxx.log" 2>&1 &
+fi
+wait
+echo "zoo wall: $(( $(date +%s) - start )) s"
+"$py" bench/gpu_report.py "$store" 2>&1 | tee "$out/zoo.txt"
+[[ -d $work/other-cxx ]] && { echo "== mlp with CXX=$other_cxx"; "$py" bench/gpu_report.py "$work/other-cxx" 2>&1 | tee "$out/other_cxx.txt"; }
+
+echo "== autotune job, and meanwhile the GPU tests"
+cat > "$work/autotune.yaml" <<YAML
+name: gpu-autotune
+graphs: [zoo/mlp.pt2]
+targets:
+  - backend: $target
+    autotune: {candidates: [max_autotune]}
+YAML
+"$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/pytest.log" 2>&1 &
+start=$(date +%s)
+"$py" -m farm run "$work/autotune.yaml" --store "$store" > "$out/autotune.log" 2>&1
+echo "autotune wall: $(( $(date +%s) - start )) s"
+"$py" bench/gpu_report.py "$store" 2>&1 | tee "$out/report.txt"
+wait
+tail -15 "$out/pytest.log"
+rm -rf "$work"

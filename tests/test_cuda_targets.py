@@ -1,0 +1,123 @@
+"""CUDA targets where there is no GPU (issue 10): what a unit asks of Ray, what a host offers,
+what goes into the key, units routed to a (fake) GPU node or failed at once when no node
+offers their architecture, and CUDA sandboxes' limits. The GPU itself: tests/test_gpu.py."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from farm.spec import parse_job
+from scheduler.jobs import execute
+from scheduler.ray_pool import PoolConfig, RayRunner
+from storage import store_from_uri
+from tests.cli import farm
+from workers.backends import LoweringError, cuda, offered_resources, resolve
+from workers.keys import key_components, key_of
+from workers.sandbox import Sandbox, SandboxFailed, child_env
+from workers.unit import Target, Unit, UnitLimits
+
+NO_CUDA = torch.version.cuda is None or not torch.cuda.is_available()
+
+
+def test_each_target_asks_ray_for_what_it_needs():
+    sm90 = resolve(Target("aoti-cuda", "sm_90")).placement(Target("aoti-cuda", "sm_90"))
+    assert sm90.resources == {"farm_cuda_sm90": 1.0}
+    assert sm90.gpus == pytest.approx(1 / cuda.WORKERS_PER_GPU) and 0 < sm90.gpus < 1 and sm90.cpus == 1
+    assert resolve(Target("aoti-cuda")).placement(Target("aoti-cuda")).resources == {"farm_cuda": 1.0}
+    cpu = resolve(Target("aoti-cpu", "avx2")).placement(Target("aoti-cpu", "avx2"))
+    assert cpu.resources == {"farm_cpu_avx2": 1.0} and cpu.gpus == 0
+    with pytest.raises(LoweringError, match="sm_XX"):
+        resolve(Target("aoti-cuda", "avx2"))
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks a host without a GPU")
+def test_a_host_without_a_gpu_offers_only_cpu_classes():
+    offers = offered_resources(2)
+    assert offers.get("farm_cpu_x86_64") == 2 and not [r for r in offers if r.startswith("farm_cuda")]
+    assert json.loads(farm("resources", "--slots", "3").strip().splitlines()[-1])["farm_cpu_x86_64"] == 3
+
+
+def test_the_key_holds_the_architecture_and_the_gpu_toolchain():
+    backend = resolve(Target("aoti-cuda", "sm_90"))
+    program = {"program": "0" * 64}
+
+    def key(arch: str) -> str:
+        t = Target("aoti-cuda", arch)
+        return key_of(key_components(program, backend.target_components(t), {}, backend.toolchain(t)))
+
+    assert backend.target_components(Target("aoti-cuda", "sm_90"))["arch"] == "sm_90"
+    assert key("sm_90") != key("sm_80")
+    tools = backend.toolchain(Target("aoti-cuda", "sm_90"))
+    assert {"cuda", "triton", "cxx", "cxx_version"} <= set(tools)
+    cpu_tools = resolve(Target("aoti-cpu")).toolchain(Target("aoti-cpu"))
+    assert "cuda" not in cpu_tools and "triton" not in cpu_tools and "cxx_version" in cpu_tools
+
+
+def test_the_sandbox_preloads_the_libstdcxx_of_this_process(tmp_path):
+    loaded = next(line.split()[-1] for line in open("/proc/self/maps") if "/libstdc++.so" in line)
+    assert child_env(tmp_path)["LD_PRELOAD"] == loaded
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks a host without a GPU")
+def test_in_process_a_cuda_target_on_a_host_without_a_gpu_fails_with_the_reason(zoo_dir, tmp_path):
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cuda:sm_90", "aoti-cuda"]})
+    outcome = execute(job, store_from_uri(str(tmp_path / "store")))  # like `farm compile`, in this process
+    errors = {r.target: r.error for r in outcome.results if r.status == "failed"}
+    assert "cannot build aoti-cuda:sm_90: no CUDA GPU (torch was built without CUDA" in errors["aoti-cuda:sm_90"]
+    assert "name one, e.g. aoti-cuda:sm_90" in errors["aoti-cuda"]
+    assert all(r.retryable and "lower" not in r.timings for r in outcome.results)
+
+
+def test_a_gpu_that_fails_its_check_after_a_crash_gets_no_new_sandbox(monkeypatch):
+    def broken(*args, **kwargs):
+        raise cuda.GpuUnavailable("GPU 0 (NVIDIA H100) computed nan for a known sum (1047552)")
+
+    monkeypatch.setattr(cuda, "probe", broken)
+    with Sandbox() as sandbox:
+        sandbox._gpu_suspect = True  # as after a CUDA child crashed (tests/test_gpu.py crashes a real one)
+        with pytest.raises(SandboxFailed, match="GPU failed its check.*computed nan") as failed:
+            sandbox.prestart(UnitLimits(), "cuda")
+        assert failed.value.retryable and sandbox.pid is None
+        sandbox.prestart(UnitLimits(), "cpu")  # CPU work on this host goes on
+        assert sandbox.pid is not None
+    cuda.forget()
+
+
+def test_a_cuda_sandbox_limits_its_heap_not_its_address_space(tmp_path, zoo_dir):
+    limits = UnitLimits(timeout_s=30, memory_gb=6, file_gb=1)
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cuda", "sm_90"), program=None, limits=limits)
+    rows = {}
+    with Sandbox() as sandbox:
+        for device in ("cuda", "cpu"):
+            sandbox.call("identify", tmp_path, limits, time.monotonic() + 120, device=device, unit=unit,
+                         program=str(zoo_dir / "mlp.pt2"))
+            text = Path(f"/proc/{sandbox.pid}/limits").read_text()
+            environ = Path(f"/proc/{sandbox.pid}/environ").read_bytes().decode().split("\0")
+            rows[device] = ({line[:26].strip(): line[26:].split()[0] for line in text.splitlines()[1:]}, environ)
+    (cuda_limits, cuda_env), (cpu_limits, cpu_env) = rows["cuda"], rows["cpu"]
+    assert cuda_limits["Max data size"] == str(6 << 30) and cuda_limits["Max address space"] == "unlimited"
+    assert cpu_limits["Max address space"] == str(6 << 30)
+    assert "CUDA_VISIBLE_DEVICES=" in cpu_env  # a CPU unit's child sees no GPU
+
+
+@pytest.mark.slow
+def test_on_ray_gpu_units_go_to_the_gpu_node_and_unoffered_architectures_fail_at_once(ray_cluster, zoo_dir, tmp_path):
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cuda:sm_90", "aoti-cuda:sm_80"]})
+    runner = RayRunner(PoolConfig(), job_id="gpu-routing")
+    start = time.monotonic()
+    outcome = execute(job, store_from_uri(str(tmp_path)), runner)
+    results = {r.target: r for r in outcome.results}
+    sm80, sm90 = results["aoti-cuda:sm_80"], results["aoti-cuda:sm_90"]
+    assert sm80.status == "failed" and "no Ray node offers resource 'farm_cuda_sm80'" in sm80.error, sm80.error
+    assert "farm resources" in sm80.error and sm80.retries == 0
+    assert [s.resource for s in runner.slots] == ["farm_cuda_sm90"]  # no worker waited for sm_80
+    (gpu_node,) = [n["NodeID"][:8] for n in ray.nodes() if n["Alive"] and "farm_cuda_sm90" in n["Resources"]]
+    assert f"node-{gpu_node}" in sm90.worker, sm90.worker
+    if NO_CUDA:  # the fake GPU class: Ray placed the unit, and the worker found no GPU there
+        assert sm90.status == "failed" and "cannot build aoti-cuda:sm_90: no CUDA GPU" in sm90.error, sm90.error
+    assert time.monotonic() - start < 300
