@@ -45,11 +45,14 @@ def _local_cache() -> dict[str, Any]:
 
 
 def _entries(cache: dict[str, Any]) -> list[Entry]:
+    """The kernel timings in Inductor's local cache file, `{op: {inputs: {precision: {choice: ms}}}}`.
+    Other Inductor caches share that file with entries of other shapes (on CUDA, e.g. pad_mm's
+    decisions): those are not timings and are skipped."""
     return [(op, inputs, precision, choice, float(ms))
-            for op, by_inputs in cache.items()
-            for inputs, by_precision in by_inputs.items()
-            for precision, by_choice in by_precision.items()
-            for choice, ms in by_choice.items()]
+            for op, by_inputs in cache.items() if isinstance(by_inputs, dict)
+            for inputs, by_precision in by_inputs.items() if isinstance(by_precision, dict)
+            for precision, by_choice in by_precision.items() if isinstance(by_choice, dict)
+            for choice, ms in by_choice.items() if isinstance(ms, (int, float)) and not isinstance(ms, bool)]
 
 
 def _merge_into_local(entries: list[Entry]) -> tuple[int, dict[str, Any]]:
@@ -60,8 +63,10 @@ def _merge_into_local(entries: list[Entry]) -> tuple[int, dict[str, Any]]:
     local = cache.get_local_cache()
     added = 0
     for op, inputs, precision, choice, ms in entries:
-        slot = local.setdefault(op, {}).setdefault(inputs, {}).setdefault(precision, {})
-        if choice not in slot:
+        slot = local.setdefault(op, {})
+        for level in (inputs, precision):
+            slot = slot.setdefault(level, {}) if isinstance(slot, dict) else None
+        if isinstance(slot, dict) and choice not in slot:  # never overwrite another cache's entry
             slot[choice] = ms
             added += 1
     if added:
