@@ -163,8 +163,7 @@ class RayRunner:
 
     def _can_place(self, resource: str) -> bool:
         placement = self._placements[resource][0]
-        return (int(self._offered.get(resource, 0)) > 0 and self._offered.get("GPU", 0) >= placement.gpus
-                and all(self._offered.get(r, 0) >= n for r, n in placement.extra.items()))
+        return int(self._offered.get(resource, 0)) > 0 and self._offered.get("GPU", 0) >= placement.gpus
 
     def _most_starved(self, queues) -> str | None:
         """The device class with the fewest workers per queued unit, among those with fewer workers

@@ -16,9 +16,9 @@ from scheduler.jobs import execute
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri
 from tests.cli import farm
-from workers.backends import LoweringError, cuda, offered_resources, resolve
+from workers.backends import LoweringError, cuda, cxx, offered_resources, resolve
 from workers.keys import key_components, key_of
-from workers.sandbox import Sandbox, SandboxFailed, child_env
+from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import Target, Unit, UnitLimits
 
 NO_CUDA = torch.version.cuda is None or not torch.cuda.is_available()
@@ -58,9 +58,26 @@ def test_the_key_holds_the_architecture_and_the_gpu_toolchain():
     assert "cuda" not in cpu_tools and "triton" not in cpu_tools and "cxx_version" in cpu_tools
 
 
-def test_the_sandbox_preloads_the_libstdcxx_of_this_process(tmp_path):
+def test_a_compiler_newer_than_the_loaded_libstdcxx_is_refused(monkeypatch, tmp_path):
     loaded = next(line.split()[-1] for line in open("/proc/self/maps") if "/libstdc++.so" in line)
-    assert child_env(tmp_path)["LD_PRELOAD"] == loaded
+    minor = int(Path(loaded).resolve().name.rsplit(".", 1)[1])
+    newer, older = tmp_path / f"libstdc++.so.6.0.{minor + 1}", tmp_path / f"libstdc++.so.6.0.{minor - 1}"
+    for lib in (newer, older):
+        lib.touch()
+    real_run = cxx._run
+    cxx.compiler()  # cached with the real version before `_run` is faked
+    try:
+        for built, refused in ((older, False), (newer, True)):
+            cxx.libstdcxx_problem.cache_clear()
+            monkeypatch.setattr(cxx, "_run", lambda cmd, built=built: str(built) if "-print-file-name" in cmd[-1]
+                                else real_run(cmd))
+            problem = cxx.libstdcxx_problem()
+            assert (problem is not None) == refused, problem
+        assert str(newer) in problem and "Set CXX" in problem  # the newer one
+        backend = resolve(Target("aoti-cpu"))
+        assert backend.host_problem(Target("aoti-cpu")) == problem  # a unit fails before it builds anything
+    finally:
+        cxx.libstdcxx_problem.cache_clear()
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks a host without a GPU")

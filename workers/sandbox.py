@@ -68,24 +68,7 @@ def child_env(home: Path) -> dict[str, str]:
     # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
-    libstdcxx = _loaded_libstdcxx()
-    if libstdcxx:
-        env["LD_PRELOAD"] = libstdcxx
     return env
-
-
-def _loaded_libstdcxx() -> str | None:
-    """The libstdc++ this process runs with. The child preloads it, so the C++ runtime symbols of
-    the code AOTInductor builds bind to it and not to a copy some other loaded library carries:
-    on the lent H100 machine every AOTInductor CUDA package died with SIGSEGV in its wrapper's
-    `parse_device_str` (std::regex) when loaded, in a fresh process too, and loaded and ran with
-    the system libstdc++ preloaded."""
-    try:
-        with open("/proc/self/maps") as f:
-            found = next((line.split()[-1] for line in f if "/libstdc++.so" in line), None)
-    except OSError:
-        return None
-    return found if found and os.path.isfile(found) else None
 
 
 def _inductor_cache_dir() -> str:

@@ -90,7 +90,7 @@ class AotiCuda:
             return f"this worker cannot build {target.label}: {e}"
         if target.isa and target.isa != gpu.arch:
             return f"this worker's GPU is {gpu.name} ({gpu.arch}), not {target.isa}; {target.label} is built on a {target.isa} GPU"
-        return None
+        return cxx.libstdcxx_problem()
 
     def prepare(self, ep: ExportedProgram, target: Target) -> ExportedProgram:
         from torch.export.passes import move_to_device_pass

@@ -1,7 +1,7 @@
 """The plug-in point for lowering targets: one protocol, one file per backend."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -28,12 +28,11 @@ class Placement:
     device_class: str
     cpus: float = 1.0
     gpus: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)  # other custom resources, e.g. a rack label
 
     @property
     def resources(self) -> dict[str, float]:
         """The custom resources (Ray's `resources=` option)."""
-        return {self.device_class: 1.0, **self.extra}
+        return {self.device_class: 1.0}
 
 
 class Backend(Protocol):

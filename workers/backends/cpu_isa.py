@@ -130,4 +130,4 @@ class PinnedCpuTarget:
         if not can_pin():
             return (f"torch {torch.__version__} cannot pin Inductor's CPU ISA (it has no cpp.march setting), so "
                     f"{self.name} would build for this host's CPU only; CPU targets need torch 2.13")
-        return None
+        return cxx.libstdcxx_problem()

@@ -1,11 +1,24 @@
-"""The C++ compiler AOTInductor builds wrappers and CPU kernels with: part of every key whose
-artifact it builds."""
+"""The C++ compiler AOTInductor builds wrappers and CPU kernels with (part of every key whose
+artifact it builds), and whether what it builds can load into this Python.
+
+Code built by a GCC needs the libstdc++ of that GCC or a newer one at run time. On the lent
+H100 machine `CXX=/opt/gcc/bin/g++` (not the system compiler) built CUDA packages whose
+wrapper died with SIGSEGV in `parse_device_str` (std::regex) as soon as `aoti_load_package`
+ran, in any plain process; the same packages built by the system g++ 13 (whose libstdc++,
+6.0.33, is the one Python runs with) loaded and ran. So a compiler whose libstdc++ is newer
+than the loaded one is refused before anything is built with it.
+"""
 from __future__ import annotations
 
 import functools
+import os
+import re
 import shutil
 import subprocess
 from typing import Any
+
+LIBSTDCXX = re.compile(r"libstdc\+\+\.so\.6\.0\.(\d+)$")
+
 
 def _run(cmd: list[str]) -> str:
     try:
@@ -24,3 +37,28 @@ def compiler() -> dict[str, Any]:
     path = shutil.which(cxx)
     version = _run([path, "--version"]).splitlines()[0] if path else "not found"
     return {"cxx": cxx, "cxx_version": version or "unknown"}
+
+
+def _minor(path: str) -> int | None:
+    match = LIBSTDCXX.search(os.path.realpath(path))
+    return int(match.group(1)) if match else None
+
+
+@functools.cache
+def libstdcxx_problem() -> str | None:
+    """Why code built by the compiler would not load here (its libstdc++ is newer than ours), or None."""
+    path = shutil.which(compiler()["cxx"])
+    if not path:
+        return f"the C++ compiler {compiler()['cxx']!r} is not installed; AOTInductor needs one (set CXX)"
+    built = _run([path, "-print-file-name=libstdc++.so.6"])
+    try:
+        with open("/proc/self/maps") as f:
+            loaded = next((line.split()[-1] for line in f if "libstdc++.so" in line), None)
+    except OSError:
+        return None
+    mine, theirs = _minor(loaded or ""), _minor(built)
+    if mine is None or theirs is None or theirs <= mine:
+        return None
+    return (f"the C++ compiler {path} links against {os.path.realpath(built)}, newer than the "
+            f"{os.path.realpath(loaded)} this Python runs with: AOTInductor packages it builds crash when loaded. "
+            f"Set CXX to a compiler of this system's libstdc++ (e.g. CXX=/usr/bin/g++)")
