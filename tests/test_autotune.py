@@ -94,3 +94,14 @@ def test_a_bad_space_is_rejected_when_the_job_loads(autotune, message):
     with pytest.raises(SpecError, match="targets.0") as e:
         parse_job({"graphs": ["m.pt2"], "targets": [{"backend": "aoti-cpu", "autotune": autotune}]}, "job.yaml")
     assert message in str(e.value) and "job.yaml" in str(e.value)
+
+
+def test_gpu_targets_have_gpu_presets():
+    job = parse_job({"graphs": ["m.pt2"], "targets": [
+        {"backend": "aoti-cuda", "isa": "sm_90", "autotune": {"candidates": ["max_autotune_triton_gemm",
+                                                                              "coordinate_descent_tuning"]}}]})
+    space = job.targets[0].space()
+    assert space["max_autotune_triton_gemm"] == {"max_autotune": True, "max_autotune_gemm_backends": "TRITON"}
+    assert list(space) == ["default", "max_autotune_triton_gemm", "coordinate_descent_tuning"]
+    with pytest.raises(SpecError, match="unknown candidate 'cpp_wrapper' for aoti-cuda"):
+        parse_job({"graphs": ["m.pt2"], "targets": [{"backend": "aoti-cuda", "autotune": {"candidates": ["cpp_wrapper"]}}]})

@@ -48,3 +48,19 @@ def test_second_worker_does_no_gemm_benchmarking(zoo_dir, tmp_path):
     second = _run_on_a_fresh_worker(tmp_path / "mlp_v2.pt2", store, tmp_path, "second")
     assert second["autotune_seeded"] >= first["autotune_published"]
     assert second["autotune_benchmarked"] == 0 and second["autotune_published"] == 0
+
+
+def test_seeding_leaves_other_inductor_caches_in_the_local_file_alone(tmp_path, monkeypatch):
+    """On CUDA, Inductor keeps other decisions (pad_mm's) in the same local cache file; seeding
+    must skip them, not fail the unit (it did on the lent H100)."""
+    from torch._inductor.codecache import PersistentCache
+
+    from workers.autotune_share import _entries, _merge_into_local
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    other = {"pad_mm": {"key-a": 1.25, "key-b": True}, "mm": {"[in]": {"highest": {"triton_1": 0.01}}}}
+    PersistentCache().update_local_cache(other)
+    shared = [("mm", "[in]", "highest", "aten", 0.02), ("pad_mm", "key-a", "highest", "x", 9.0)]
+    added, local = _merge_into_local(shared)
+    assert added == 1 and local["pad_mm"] == other["pad_mm"]  # pad_mm's entries untouched
+    assert sorted(_entries(local)) == [("mm", "[in]", "highest", "aten", 0.02), ("mm", "[in]", "highest", "triton_1", 0.01)]
