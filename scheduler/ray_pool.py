@@ -3,9 +3,9 @@
 A pool of long-lived worker actors per device class (a Ray custom resource such as
 `farm_cpu_avx2` or `farm_cuda_sm90`), one per slot, so a worker pays torch's start-up and
 Inductor's precompiled header once, not per unit. What a worker asks of Ray (CPUs, a share
-of a GPU, custom resources) is its backend's `Placement`. A worker that dies mid-unit is replaced and its unit
-re-queued up to `retries` times; a unit past its timeout has its worker killed and replaced
-and ends as failed with reason `timeout`. Every unit is reported exactly once.
+of a GPU, its device class) is its backend's `Placement`. A worker that dies mid-unit is
+replaced and its unit re-queued up to `retries` times; a unit past its timeout has its worker
+killed and replaced and ends as failed with reason `timeout`. Every unit is reported exactly once.
 """
 from __future__ import annotations
 
