@@ -49,6 +49,20 @@ def load_with_weights(artifact: Path, constants: dict[str, torch.Tensor]) -> Cal
     return model
 
 
+def load_package(artifact: Path, target: Target, ep: ExportedProgram | None) -> Callable[..., Any]:
+    """The package's model; under `weights: shapes`, running with ep's weights."""
+    if target.weights == "shapes" and ep is not None:
+        return load_with_weights(artifact, program_constants(ep))
+    return torch._inductor.aoti_load_package(str(artifact))
+
+
+def weights_facts(target: Target) -> dict[str, str]:
+    """How to load a `weights: shapes` package with another checkpoint (for the manifest)."""
+    if target.weights != "shapes":
+        return {}
+    return {"load_other_weights": "farm.client.load_compiled(PATH, weights_from='checkpoint.pt2')"}
+
+
 class AotiCpu(cpu_isa.PinnedCpuTarget):
     name = "aoti-cpu"
     weights_in_code = False  # see the module doc: `weights: shapes` keeps them out
@@ -73,18 +87,14 @@ class AotiCpu(cpu_isa.PinnedCpuTarget):
             raise LoweringError(f"{artifact} records an unknown CPU ISA {recorded!r}")
         if needed.vec_isa and needed.vec_isa not in cpu_isa.host_vec_isas():
             raise LoweringError(f"{artifact} needs {recorded}, which this host lacks; fetch the build for a lower ISA", retryable=True)
-        if target.weights == "shapes" and ep is not None:
-            return load_with_weights(artifact, program_constants(ep))
-        return torch._inductor.aoti_load_package(str(artifact))
+        return load_package(artifact, target, ep)
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         meta = package_metadata(artifact)
-        facts = {
+        return {
             "format": "aoti-package",
             "isa": meta.get("AOTI_CPU_ISA"),
             "device": meta.get("AOTI_DEVICE_KEY"),
             "load": "torch._inductor.aoti_load_package(PATH)",
+            **weights_facts(target),
         }
-        if target.weights == "shapes":
-            facts["load_other_weights"] = "farm.client.load_compiled(PATH, weights_from='checkpoint.pt2')"
-        return facts

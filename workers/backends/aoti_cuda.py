@@ -20,7 +20,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa, cuda, cxx
-from workers.backends.aoti_cpu import WEIGHTS_OUT_OF_CODE, load_with_weights, package_metadata, program_constants
+from workers.backends.aoti_cpu import WEIGHTS_OUT_OF_CODE, load_package, package_metadata, weights_facts
 from workers.backends.base import LoweringError, Placement
 from workers.unit import Target
 
@@ -117,20 +117,16 @@ class AotiCuda:
         if recorded != f"sm_{here[0]}{here[1]}":
             raise LoweringError(f"{artifact} holds {recorded} kernels and this GPU is sm_{here[0]}{here[1]}; "
                                 f"fetch the build for this GPU", retryable=True)
-        if target.weights == "shapes" and ep is not None:
-            return load_with_weights(artifact, program_constants(ep))
-        return torch._inductor.aoti_load_package(str(artifact))
+        return load_package(artifact, target, ep)
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         meta = package_metadata(artifact)
-        facts = {
+        return {
             "format": "aoti-package",
             "device": "cuda",
             "arch": "sm_" + meta.get("AOTI_COMPUTE_CAPABILITY", "?"),
             "wrapper_isa": meta.get("AOTI_CPU_ISA"),
             "kernels": len(_kernels(artifact)),
             "load": "torch._inductor.aoti_load_package(PATH)  # on a GPU of this arch; inputs on cuda",
+            **weights_facts(target),
         }
-        if target.weights == "shapes":
-            facts["load_other_weights"] = "farm.client.load_compiled(PATH, weights_from='checkpoint.pt2')"
-        return facts
