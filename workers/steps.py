@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.archive import ArchiveLimits, GiB, HostileArchive, check_archive
-from workers.autotune_share import autotunes, benchmarked
+from workers.autotune_share import benchmarked
 from workers.backends import LoweringError, resolve
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
@@ -46,6 +46,10 @@ def own_inductor_config() -> Iterator[None]:
         yield
     finally:
         config.load_config(saved)
+
+
+# Options under which Inductor times kernels on the device while it lowers.
+TIMES_KERNELS = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning")
 
 
 @contextlib.contextmanager
@@ -96,8 +100,9 @@ class Steps:
         backend = resolve(unit.target)
         ep = self._on_device(unit)
         before = benchmarked()
-        try:  # max-autotune times kernels while it lowers: those timings are taken alone on the GPU too
-            with own_inductor_config(), alone_on_device(backend.device, autotunes(unit.target)):
+        tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
+        try:  # timings taken while lowering are taken alone on the GPU too
+            with own_inductor_config(), alone_on_device(backend.device, tunes):
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise
