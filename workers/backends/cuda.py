@@ -24,8 +24,8 @@ from typing import Iterator
 
 ARCH = re.compile(r"sm_(\d)(\d)(a?)")
 ANY_GPU = "farm_cuda"  # offered by every GPU node: targets with no `:sm_XX` go to any of them
-# Lowering workers per GPU: lowering is mostly CPU work (Triton, the C++ compiler), so several
-# share a GPU; each holds 1/N of it in Ray, and the node offers N slots per GPU.
+
+
 def _workers_per_gpu() -> int:
     raw = os.environ.get("FARM_WORKERS_PER_GPU", "4")
     if not raw.isdigit() or int(raw) < 1:
@@ -33,6 +33,8 @@ def _workers_per_gpu() -> int:
     return int(raw)
 
 
+# Lowering workers per GPU: lowering is mostly CPU work (Triton, the C++ compiler), so several
+# share a GPU; each holds 1/N of it in Ray, and the node offers N slots per GPU.
 WORKERS_PER_GPU = _workers_per_gpu()
 PROBE_TIMEOUT_S = 180.0
 LOCKS = Path(tempfile.gettempdir()) / "farm-gpu-locks"
