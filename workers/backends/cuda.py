@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-ARCH = re.compile(r"sm_(\d)(\d)(a?)")
+ARCH = re.compile(r"sm_\d{2,3}")  # sm_80, sm_90, sm_100: what Gpu.arch says
 ANY_GPU = "farm_cuda"  # offered by every GPU node: targets with no `:sm_XX` go to any of them
 
 
