@@ -6,8 +6,9 @@
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
 # The host's own torch is used (pip is not needed); pure-Python dependencies it lacks must be on
-# PYTHONPATH. If $CXX names a compiler other than the system g++ (the lent H100 machine sets
-# CXX=/opt/gcc/bin/g++), the first step compiles mlp with it; the rest use the system g++.
+# PYTHONPATH. The zoo is built with the system g++; if $CXX names another compiler (the lent H100
+# machine sets CXX=/opt/gcc/bin/g++), mlp is also built with that one, beside the zoo: the farm
+# refuses it if its libstdc++ is newer than the one Python runs with (such packages crash at load).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/farm-gpu}}
