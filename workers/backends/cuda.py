@@ -106,6 +106,7 @@ def probe(timeout_s: float = PROBE_TIMEOUT_S) -> list[Gpu]:
         answer = json.loads(lines[-1]) if lines else {}
     except ValueError:
         answer = {}
+    answer = answer if isinstance(answer, dict) else {}
     if done.returncode != 0 or "gpus" not in answer:
         raise GpuUnavailable(answer.get("error") or f"the GPU check failed (exit status {done.returncode}): "
                                                     f"{done.stderr.strip()[-500:]}")
