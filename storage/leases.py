@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, TypeVar
 
-from storage.backend import Backend
+from storage.backend import Backend, StoreError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,10 @@ class Lease:
         while not self._stop.wait(self._interval):
             try:
                 self.renew()
-            except Exception:  # a missed beat only risks a takeover; the compile goes on
-                pass
+            except (StoreError, OSError, ValueError, TypeError) as e:  # I/O, or a lease file we cannot read
+                # a missed beat only risks a takeover; the compile goes on, and the operator hears of it
+                log.warning("lease %s: heartbeat failed (%s: %s); a waiter may take the key over",
+                            self.info.key[:16], type(e).__name__, e)
 
     def renew(self) -> bool:
         """Show life; False once a later generation exists (someone took the key over)."""

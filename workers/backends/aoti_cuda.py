@@ -34,6 +34,12 @@ def _triton_version() -> str | None:
         return None
 
 
+def _current_arch() -> str:
+    """The architecture of the GPU this process uses (in the sandbox, where CUDA is up already)."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
 def _kernels(artifact: Path) -> list[str]:
     with zipfile.ZipFile(artifact) as z:
         return [n for n in z.namelist() if n.endswith((".cubin", ".fatbin"))]
@@ -98,7 +104,7 @@ class AotiCuda:
         return move_to_device_pass(ep, "cuda")
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
-        arch = self.arch(target)
+        arch = target.isa or _current_arch()
         configs = {**target.options_dict, **self._wrapper()[1]}
         if target.weights == "shapes":
             configs.update(WEIGHTS_OUT_OF_CODE)
@@ -112,10 +118,9 @@ class AotiCuda:
         return path
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
-        recorded = "sm_" + package_metadata(artifact).get("AOTI_COMPUTE_CAPABILITY", "?")
-        here = torch.cuda.get_device_capability()
-        if recorded != f"sm_{here[0]}{here[1]}":
-            raise LoweringError(f"{artifact} holds {recorded} kernels and this GPU is sm_{here[0]}{here[1]}; "
+        recorded, here = "sm_" + package_metadata(artifact).get("AOTI_COMPUTE_CAPABILITY", "?"), _current_arch()
+        if recorded != here:
+            raise LoweringError(f"{artifact} holds {recorded} kernels and this GPU is {here}; "
                                 f"fetch the build for this GPU", retryable=True)
         return load_package(artifact, target, ep)
 

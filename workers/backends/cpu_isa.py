@@ -14,7 +14,6 @@ from typing import Any, Iterator
 
 import torch
 from torch._inductor import cpu_vec_isa
-
 from torch.export import ExportedProgram
 
 from workers.backends import cxx
