@@ -35,6 +35,58 @@ class GraphSpec(_Strict):
         return self.name or Path(self.path.rstrip("/")).name.removesuffix(".pt2")
 
 
+RankDevice = Literal["cpu", "cuda"]
+
+
+class GangSpec(_Strict):
+    """A multi-rank model: one exported program per rank, compiled together as a gang whose
+    ranks agree through compiler collectives (workers/gang.py)."""
+    name: str = Field(description="the model's name; its ranks' results are <name>.rank<N>")
+    ranks: list[str] | str = Field(
+        description="one .pt2 per rank, in rank order, or one pattern with {rank} (e.g. tp/rank{rank}.pt2)")
+    world_size: int = Field(ge=1, le=1024, description="how many ranks the model runs on")
+    devices: list[RankDevice] | RankDevice = Field(
+        "cpu", description="cpu or cuda: one for every rank, or a list with one per rank; a gang talks over "
+                           "gloo on CPU and NCCL on GPU, so its ranks are all one or all the other")
+    collective_timeout_s: float = Field(
+        60.0, gt=0, description="a compiler collective not answered by every rank within this fails the gang")
+    modules: list[str] = []
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or "/" in v or v.startswith("."):
+            raise ValueError("must be a plain name without '/' (it names the gang's results)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_program_per_rank(self) -> "GangSpec":
+        if isinstance(self.ranks, str):
+            if "{rank}" not in self.ranks:
+                raise ValueError(f"ranks: the pattern {self.ranks!r} has no {{rank}}; give a list of paths, "
+                                 f"or a pattern such as tp/rank{{rank}}.pt2")
+        elif len(self.ranks) != self.world_size:
+            raise ValueError(f"ranks: {len(self.ranks)} programs listed for world_size {self.world_size}; "
+                             f"list one .pt2 per rank")
+        if isinstance(self.devices, list):
+            if len(self.devices) != self.world_size:
+                raise ValueError(f"devices: {len(self.devices)} listed for world_size {self.world_size}; "
+                                 f"give one per rank, or one for all")
+            if len(set(self.devices)) > 1:
+                raise ValueError("devices: a gang's ranks are all cpu (gloo) or all cuda (NCCL); "
+                                 "split a mixed model into gangs per device")
+        return self
+
+    def paths(self) -> list[str]:
+        if isinstance(self.ranks, str):
+            return [self.ranks.replace("{rank}", str(r)) for r in range(self.world_size)]
+        return list(self.ranks)
+
+    @property
+    def device(self) -> RankDevice:
+        return self.devices[0] if isinstance(self.devices, list) else self.devices
+
+
 class CandidateSpec(_Strict):
     name: str
     options: dict[str, Any] = {}
@@ -120,7 +172,8 @@ class LimitsSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = "job"
-    graphs: list[GraphSpec] = Field(min_length=1)
+    graphs: list[GraphSpec] = []
+    gangs: list[GangSpec] = Field([], description="multi-rank models, compiled as gangs (one program per rank)")
     targets: list[TargetSpec] = Field(min_length=1)
     modules: list[str] = Field([], description="modules to import before loading any program (e.g. pytree registrations)")
     verify: VerifySpec = VerifySpec()
@@ -138,11 +191,21 @@ class JobSpec(_Strict):
             raise ValueError("must be a plain name without '/' (it becomes part of the job id)")
         return v
 
-    def resolve(self, graph: GraphSpec) -> str:
-        """The graph's source as a URI or absolute path."""
-        if "://" in graph.path or Path(graph.path).is_absolute():
-            return graph.path
-        return str((Path(self.base_dir) / graph.path).resolve())
+    @model_validator(mode="after")
+    def _something_to_compile(self) -> "JobSpec":
+        if not self.graphs and not self.gangs:
+            raise ValueError("list at least one graph (graphs) or multi-rank model (gangs)")
+        names = [g.name for g in self.gangs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gangs: names must be unique, got {names}")
+        return self
+
+    def resolve(self, graph: GraphSpec | str) -> str:
+        """A graph's source (a GraphSpec or a path as written) as a URI or absolute path."""
+        path = graph.path if isinstance(graph, GraphSpec) else graph
+        if "://" in path or Path(path).is_absolute():
+            return path
+        return str((Path(self.base_dir) / path).resolve())
 
 
 def _format(e: ValidationError, source: str) -> str:
@@ -175,10 +238,11 @@ def _check_sources(job: JobSpec, source: str) -> None:
     prefixes = allowed_sources()
     if not prefixes:
         return
-    for i, graph in enumerate(job.graphs):
-        where = job.resolve(graph)
+    named = [(f"graphs.{i}.path", job.resolve(g)) for i, g in enumerate(job.graphs)]
+    named += [(f"gangs.{i}.ranks.{r}", job.resolve(p)) for i, g in enumerate(job.gangs) for r, p in enumerate(g.paths())]
+    for field_name, where in named:
         if not any(where.startswith(p) for p in prefixes):
-            raise SpecError(f"{source}: graphs.{i}.path: {where} is outside the sources this farm allows "
+            raise SpecError(f"{source}: {field_name}: {where} is outside the sources this farm allows "
                             f"(FARM_ALLOWED_SOURCES: {', '.join(prefixes)}); copy the graph there")
 
 

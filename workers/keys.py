@@ -40,11 +40,13 @@ def key_components(program: dict[str, str], target: dict[str, Any], options: dic
     }
 
 
-def identity_variant(weights_mode: str, specialize: Any) -> str:
+def identity_variant(weights_mode: str, specialize: Any, agreed: Any = ()) -> str:
     """What besides a program's archive bytes decides its identity (storage/identities.py)."""
     tc = toolchain()
     parts = {"key_version": KEY_VERSION, "torch": tc["torch"], "torch_git": tc["torch_git"],
              "weights_mode": weights_mode, "specialize": specialize}
+    if agreed:  # a gang's re-export (absent otherwise, so the variants of plain units stay as they were)
+        parts["agreed"] = agreed
     return key_of(parts)[:32]
 
 

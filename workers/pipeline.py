@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from storage.identities import get_identity, put_identity
@@ -112,8 +112,9 @@ def lookup_unit(unit: Unit, store: Store, sandbox: Sandbox) -> UnitResult | None
 
 
 def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: Path | None = None,
-             hits_only: bool = False) -> UnitResult:
-    """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds)."""
+             hits_only: bool = False, body: Body | None = None) -> UnitResult:
+    """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds).
+    `body` replaces the stages up to publishing (a gang's rank verifies in lockstep, workers/gang.py)."""
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
     result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
     phases = Phases()
@@ -125,7 +126,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
         ctx = _Ctx(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
         try:
             with log.capture():  # ends before publishing, so the published log is complete
-                ready = _compile(ctx, held, hits_only)
+                ready = (body or _compile)(ctx, held, hits_only)
             if ready is not None:
                 with phases("upload"):
                     _publish(unit, store, ready, log, result, phases.timings)
@@ -163,13 +164,18 @@ class Compiled:
     built_with: str  # digest of the weight values the artifact was built and verified with
 
 
-def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
-    unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
+Body = Callable[[_Ctx, contextlib.ExitStack, bool], "Compiled | None"]
+
+
+def unit_key(ctx: _Ctx) -> tuple[dict[str, str], str]:
+    """Name the program (from the store, or by loading it in the sandbox) and compute the unit's
+    key into the result; returns the identity and the weights the program carries."""
+    unit, store, result, log = ctx.unit, ctx.store, ctx.result, ctx.log
     if unit.program is None:
         raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
     ctx.backend = resolve(unit.target)
 
-    variant = identity_variant(unit.target.weights, unit.specialize)
+    variant = identity_variant(unit.target.weights, unit.specialize, unit.agreed)
     known = get_identity(store, unit.program.digest, variant)
     if known is not None:  # this archive was loaded by a sandbox before: a plain hit needs no sandbox
         identity, built_with = _identity(known)
@@ -177,11 +183,17 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
     else:
         identity, built_with = _identify(ctx)
         put_identity(store, unit.program.digest, variant, {"identity": identity, "built_with": built_with})
-    with phase("load"):
+    with ctx.phase("load"):
         result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict,
                                            ctx.backend.toolchain(unit.target))
         result.key = key_of(result.components)
     log.note(f"key {result.key} (weights: {unit.target.weights})")
+    return identity, built_with
+
+
+def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
+    unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
+    identity, built_with = unit_key(ctx)
 
     manifest = store.get_manifest(result.key)
     if manifest is not None:
@@ -203,6 +215,18 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
     held.enter_context(claim)  # renewed while we compile and publish, released after
 
     _identify(ctx, expect=identity)
+    artifact, facts = lower_unit(ctx)
+    with phase("verify"):
+        checked = _check(ctx, artifact, verify_it=True, bench_it=False)
+    with phase("benchmark"):
+        _check(ctx, artifact, verify_it=False, bench_it=True)
+    return Compiled(artifact, result.components, facts, checked, built_with)
+
+
+def lower_unit(ctx: _Ctx) -> tuple[Path, dict[str, Any]]:
+    """Lower the loaded program in the sandbox (sharing autotune timings with the farm); the
+    artifact and what the backend says about it."""
+    unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
     with phase("lower"):
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
@@ -220,12 +244,8 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
                      f"gave {shared.published} new timings to the farm")
             result.metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
 
-    with phase("verify"):
-        checked = _check(ctx, artifact, verify_it=True, bench_it=False)
-    with phase("benchmark"):
-        _check(ctx, artifact, verify_it=False, bench_it=True)
     facts = lowered.get("facts") if isinstance(lowered.get("facts"), dict) else {}
-    return Compiled(artifact, result.components, _plain(facts), checked, built_with)
+    return artifact, _plain(facts)
 
 
 def _identify(ctx: _Ctx, expect: dict[str, str] | None = None) -> tuple[dict[str, str], str]:

@@ -20,7 +20,8 @@ from workers.backends import LoweringError, resolve
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
 from workers.program import ProgramError, first_line, load_program, program_identity, weights_digest
-from workers.specialize import specialization_problems, specialize
+from workers.gang_steps import GangSteps, gang_facts
+from workers.specialize import reexport, specialization_problems, specialize
 from workers.unit import Unit
 from workers.verify import verify
 
@@ -64,7 +65,7 @@ def alone_on_device(device: str, needed: bool = True) -> Iterator[None]:
         yield
 
 
-class Steps:
+class Steps(GangSteps):
     def __init__(self) -> None:
         self._loaded: tuple[str, ExportedProgram] | None = None  # (unit id, its program)
         self._prepared: ExportedProgram | None = None  # the loaded program on the target's device
@@ -81,8 +82,9 @@ class Steps:
             self._prepared = resolve(unit.target).prepare(self._program(unit), unit.target)
         return self._prepared
 
-    def identify(self, unit: Unit, program: str) -> dict[str, Any]:
-        """Load the graph (checked first, see workers/archive.py) and name its content."""
+    def identify(self, unit: Unit, program: str, facts: bool = False) -> dict[str, Any]:
+        """Load the graph (checked first, see workers/archive.py) and name its content; with
+        `facts`, also say what a gang's compiler collectives compare (workers/gang_steps.py)."""
         self._loaded = self._prepared = self._compiled = None
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
         if unit.specialize:
@@ -91,10 +93,22 @@ class Steps:
                 ep = specialize(ep, where, size)
             except ValueError as e:
                 raise StepFailed(f"cannot specialize {where}={size}: {e}") from e
+        if unit.agreed:
+            try:
+                ep = reexport(ep, {w: (lo, hi) for w, lo, hi in unit.agreed_dims}, dict(unit.agreed_sizes))
+            except Exception as e:  # export fails in many ways; the gang reports it for this rank
+                raise StepFailed(f"cannot export the program again with the gang's agreed shapes "
+                                 f"{list(unit.agreed_dims)}: {type(e).__name__}: {first_line(e)}") from e
         identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
         built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
         self._loaded = (unit.unit_id, ep)
-        return {"identity": identity, "built_with": built_with}
+        reply = {"identity": identity, "built_with": built_with}
+        if facts:
+            try:
+                reply["facts"] = gang_facts(ep)
+            except ValueError as e:
+                raise StepFailed(str(e)) from e
+        return reply
 
     def lower(self, unit: Unit, workdir: str) -> dict[str, Any]:
         backend = resolve(unit.target)

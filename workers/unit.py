@@ -21,6 +21,8 @@ class Target:
     # and dtypes, and the artifact keeps weights out of its code so any checkpoint loads into it
     weights: WeightsMode = "values"
     candidate: str | None = None  # the autotune candidate these options come from, if any
+    # inductor-cache in a gang: `<input>.<dim>`s every rank marks dynamic before torch.compile sees them
+    mark_dynamic: tuple[str, ...] = ()
 
     @property
     def base_label(self) -> str:
@@ -77,10 +79,38 @@ class Unit:
     remeasure: bool = False  # on a hit, benchmark the stored artifact again (retuning)
     specialize: tuple[str, int] | None = None  # compile the program with dimension `<input>.<dim>` fixed at a size
     hot_sizes: tuple[tuple[str, int], ...] = ()  # also benchmark at these sizes (autotune compares specializations)
+    # a gang's agreed shapes: the program is re-exported with exactly these dynamic dimensions
+    # (`<input>.<dim>`, lowest, highest or None) and example inputs of these sizes (`<input>.<dim>`, size)
+    agreed_dims: tuple[tuple[str, int, int | None], ...] = ()
+    agreed_sizes: tuple[tuple[str, int], ...] = ()
 
     @property
     def unit_id(self) -> str:
         return f"{self.graph}@{self.target.label}"
+
+    @property
+    def agreed(self) -> tuple:
+        """The gang's agreement on this rank's shapes, () when there is none."""
+        return (self.agreed_dims, self.agreed_sizes) if self.agreed_dims or self.agreed_sizes else ()
+
+
+@dataclass(frozen=True)
+class Gang:
+    """A multi-rank model's ranks for one target, compiled together (workers/gang.py)."""
+    name: str
+    ranks: tuple[Unit, ...]  # rank r's unit at index r
+    device: str = "cpu"  # cpu: the ranks' artifacts talk over gloo; cuda: over NCCL
+    collective_timeout_s: float = 60.0
+    # autotune: candidate name → its options; the candidates are split across the ranks
+    candidates: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.ranks[0].target.label}"
 
 
 @dataclass

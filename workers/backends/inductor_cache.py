@@ -35,9 +35,24 @@ def _compiled(module: torch.nn.Module, configs: dict[str, Any], vec_isa: str) ->
     return run
 
 
+def _mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> None:
+    """A gang's agreement: these `<input>.<dim>`s are dynamic from the first call on every rank,
+    instead of each rank's automatic-dynamic deciding on the sizes it happened to see (maybe_:
+    a dimension the graph specializes stays static, on every rank alike)."""
+    for name, value in zip(ep.graph_signature.user_inputs, torch.utils._pytree.tree_leaves(args)):
+        if isinstance(value, torch.Tensor):
+            for i in range(value.dim()):
+                if f"{name}.{i}" in marks:
+                    torch._dynamo.maybe_mark_dynamic(value, i)
+
+
 class InductorCache(cpu_isa.PinnedCpuTarget):
     name = "inductor-cache"
     weights_in_code = False  # torch.compile takes parameters and buffers as graph inputs
+
+    def target_components(self, target: Target) -> dict[str, Any]:
+        marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
+        return {**super().target_components(target), **marks}
 
     def _configs(self, target: Target) -> dict[str, Any]:
         return {**target.options_dict, **self.isa(target)[1].inductor_configs}
@@ -48,7 +63,9 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         torch._dynamo.reset()  # a long-lived worker: forget what earlier units compiled
         CacheArtifactManager.clear()  # …and what they recorded, so the bundle holds this unit only
         run = _compiled(ep.module(), self._configs(target), self.isa(target)[1].vec_isa)
+        torch._dynamo.utils.counters.clear()
         for inputs in input_sets(ep):
+            _mark_dynamic(ep, inputs.args, target.mark_dynamic)
             run(*inputs.args, **inputs.kwargs)
         saved = torch.compiler.save_cache_artifacts()
         if saved is None or not saved[1].artifacts.get("inductor"):
@@ -75,6 +92,9 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
             "isa": self.isa(target)[0],
             "serving_config": configs,
             "grad_mode": "no_grad",
+            "mark_dynamic": list(target.mark_dynamic),
+            # Dynamo's count from the lowering just done in this process (describe follows lower)
+            "graphs_compiled": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
             "load": ("torch.compiler.load_cache_artifacts(open(PATH, 'rb').read()); then, with torch._inductor.config "
                      f"set to {configs} and under torch.no_grad(), torch.compile(model)"),
         }

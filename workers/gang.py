@@ -1,0 +1,298 @@
+"""One rank of a gang: a multi-rank model's ranks compiled together, agreeing through compiler
+collectives (real torch.distributed calls among the gang's actors, `GangComm`).
+
+Every rank runs `run_rank` at the same time, in its own gang actor, and makes the same calls in
+the same order, so each collective meets all ranks:
+
+1. *facts*: each rank loads its program in its sandbox; the ranks all-gather what their graphs
+   say: errors, the functional collectives in order, dynamic dimensions with their ranges, the
+   example sizes, the sizes a torch.compile lowering observes. Every rank then runs the same
+   comparisons (workers/collectives.py) on the same data, so all reach the same verdict: a
+   rank that cannot take part, collectives that diverge, or ranges that conflict fail the gang
+   before anything compiles, with the report naming ranks.
+2. *agreement*: ranks whose dynamic dimensions or example sizes differ from the agreed ones
+   re-export their program with them; `inductor-cache` ranks mark the same dimensions dynamic.
+3. *fingerprints*: the ranks all-gather their program identities; ranks with identical programs
+   compile once (the lowest such rank, the *leader*), the others take its published artifact.
+4. Graphs without collectives compile and verify on their leaders as any unit does. Graphs with
+   collectives are verified in lockstep: every rank runs its artifact in its sandbox, whose
+   children form their own process group, against its program run eagerly over the same group;
+   the verdicts are all-gathered and nothing is published unless every rank's artifact verified.
+
+Waiting while leaders compile uses the gang's store with the unit's timeout; every collective
+has the gang's collective timeout, so a rank that dies or hangs fails the gang, never hangs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from storage import Lease, Store
+from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
+from workers.backends import LoweringError
+from workers.pipeline import (Compiled, UnitFailed, _check, _claim, _Ctx, _hit, _identify, lookup_unit, lower_unit,
+                              run_unit, unit_key)
+from workers.sandbox import Sandbox, SandboxFailed
+from workers.unit import Gang, Unit, UnitResult
+
+
+class GangFailed(Exception):
+    """The gang cannot go on; every rank reports the same message."""
+
+
+class GangComm:
+    """The gang actors' process group (gloo: what they exchange is small and lives on the CPU,
+    whatever device the ranks compile for) and the store it was formed through."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        dist.init_process_group("gloo", store=dist.PrefixStore("compiler", store), rank=rank, world_size=world_size,
+                                timeout=dt.timedelta(seconds=timeout_s))
+
+    @staticmethod
+    def open_store(host: str, port: int, rank: int, timeout_s: float) -> dist.TCPStore:
+        """Rank 0 hosts the store (port 0: a free one, read back from `.port`); the others connect."""
+        return dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
+                             timeout=dt.timedelta(seconds=timeout_s))
+
+    def all_gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's JSON-able value, in rank order: bytes in a tensor, never a pickle."""
+        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+            longest = max(int(s) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:data.numel()] = data
+            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(gathered, padded)
+        except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
+            raise GangFailed(f"the compiler collective '{what}' failed on rank {self.rank}: a rank died or did not "
+                             f"answer within {self.timeout_s:g}s ({str(e).strip().splitlines()[0][:300]})") from e
+        return [json.loads(g[:int(n)].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+
+    def post(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def await_posts(self, keys: list[str], timeout_s: float, what: str) -> list[Any]:
+        """Values other ranks post when a long phase (a compile) ends: waited for with the unit's
+        timeout, not the collective one."""
+        try:
+            self.store.wait(keys, dt.timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # DistStoreError: the timeout passed, or the store's host died
+            raise GangFailed(f"rank {self.rank} waited {timeout_s:g}s for {what}, which never came "
+                             f"({str(e).strip().splitlines()[0][:300]})") from e
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _failed(unit: Unit, gang: Gang, message: str) -> UnitResult:
+    return UnitResult(unit.graph, unit.target.label, "failed", error=f"gang {gang.label}: {message}")
+
+
+def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: str, workdir: Path) -> UnitResult:
+    """This rank's part of compiling the gang; every rank of the gang calls it at once."""
+    rank = comm.rank
+    unit = gang.ranks[rank]
+    try:
+        unit, shared = _agree(comm, gang, unit, store, sandbox, workdir)
+        leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox), "fingerprints"))
+        if shared["collectives"]:
+            result = _Lockstep(comm, gang, leaders, host).run(unit, store, sandbox)
+        else:
+            result = _each_alone(comm, gang, unit, leaders, store, sandbox)
+    except GangFailed as e:
+        return _failed(unit, gang, str(e))
+    result.metrics.update(gang_rank=float(rank), gang_world_size=float(gang.world_size),
+                          gang_leader=float(leaders[rank]), gang_graphs=float(len(set(leaders))))
+    if result.status == "failed" and result.error and not result.error.startswith("gang "):
+        result.error = f"gang {gang.label}: {result.error}"
+    return result
+
+
+def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, dict]:
+    """Collectives 1 and 2: what the ranks' graphs say, compared identically on every rank."""
+    facts, error = None, None
+    if unit.program is None:
+        error = unit.ingest_error or f"{unit.source} could not be read"
+    else:
+        try:
+            program = store.fetch(unit.program.digest, workdir / "program.pt2")
+            reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
+                                 device=gang.device, unit=unit, program=str(program), facts=True)
+            facts = reply.get("facts")
+        except (SandboxFailed, OSError) as e:
+            error = str(e)
+    everyone = comm.all_gather({"error": error, "facts": facts}, "facts")
+    broken = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"] or not isinstance(e["facts"], dict)]
+    if broken:
+        raise GangFailed("ranks that cannot take part, so the gang does not compile: " + "; ".join(broken))
+    facts_of = [e["facts"] for e in everyone]
+    collectives = [[CollectiveOp(**{k: tuple(map(tuple, v)) if k == "shapes" else tuple(v) if isinstance(v, list) else v
+                                     for k, v in op.items()}) for op in f["collectives"]] for f in facts_of]
+    divergence = first_divergence(collectives)
+    if divergence:
+        raise GangFailed(f"{divergence}; at run time they would hang in that collective, so nothing was compiled")
+    ranges = [{w: (r[0], r[1]) for w, r in f["ranges"].items()} for f in facts_of]
+    agreed, conflicts = reconcile_dims(ranges, [f["examples"] for f in facts_of])
+    if conflicts:
+        raise GangFailed("the ranks' dynamic shapes conflict: " + "; ".join(conflicts))
+    mine = facts_of[comm.rank]
+    # One example size per agreed dimension (rank 0's, inside the agreed range) makes every rank
+    # check its artifact at the same sizes, which collectives over the ranks' tensors need.
+    sizes = {w: min(max(facts_of[0]["examples"][w], lo), hi if hi is not None else 1 << 62)
+             for w, (lo, hi) in agreed.items() if w in facts_of[0]["examples"]}
+    if ranges[comm.rank] != agreed or any(mine["examples"].get(w) != n for w, n in sizes.items()):
+        unit = replace(unit, agreed_dims=tuple((w, lo, hi) for w, (lo, hi) in sorted(agreed.items())),
+                       agreed_sizes=tuple(sorted(sizes.items())))
+    if unit.target.backend == "inductor-cache":
+        observed: dict[str, set[int]] = {}
+        for f in facts_of:
+            for w, seen in f["observed"].items():
+                observed.setdefault(w, set()).update(seen)
+        marks = tuple(sorted(w for w, seen in observed.items() if len(seen) > 1))
+        unit = replace(unit, target=replace(unit.target, mark_dynamic=marks))
+    return unit, {"collectives": any(f["collectives"] for f in facts_of)}
+
+
+def _fingerprint(unit: Unit, store: Store, sandbox: Sandbox) -> dict[str, Any]:
+    """The rank's key after the agreement (identical programs for one target share it), or why
+    it has none; computing it compiles nothing."""
+    result = run_unit(unit, store, sandbox, hits_only=True)
+    return {"key": result.key, "error": result.error if result.status == "failed" else None}
+
+
+def _leaders(fingerprints: list[dict[str, Any]]) -> list[int]:
+    broken = [f"rank {r}: {f['error']}" for r, f in enumerate(fingerprints) if f["error"] or not f["key"]]
+    if broken:
+        raise GangFailed("ranks whose programs could not be named, so the gang does not compile: " + "; ".join(broken))
+    keys = [f["key"] for f in fingerprints]
+    return [keys.index(k) for k in keys]
+
+
+def _outcome(result: UnitResult) -> dict[str, Any]:
+    return {"status": result.status, "error": result.error}
+
+
+def _each_alone(comm: GangComm, gang: Gang, unit: Unit, leaders: list[int], store: Store, sandbox: Sandbox) -> UnitResult:
+    """Graphs without collectives: each leader compiles and verifies on its own, as any unit;
+    the ranks that share its program wait for it and take its artifact."""
+    rank, leader, tag = comm.rank, leaders[comm.rank], f"{gang.label}/compiled"
+    if leader == rank:
+        result = run_unit(unit, store, sandbox)
+        comm.post(f"{tag}/{rank}", _outcome(result))
+        return result
+    [said] = comm.await_posts([f"{tag}/{leader}"], unit.limits.timeout_s, f"rank {leader} to compile its graph")
+    hit = lookup_unit(unit, store, sandbox)
+    if hit is None:
+        return _failed(unit, gang, f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
+                                   f"{said['error']}")
+    return hit
+
+
+class _Lockstep:
+    """Graphs with collectives: leaders lower; then every rank runs its artifact (fresh, a
+    leader's, or from the store) in the sandboxes' process group, verified against its program
+    run eagerly over the same group; leaders publish only what verified on every rank."""
+
+    def __init__(self, comm: GangComm, gang: Gang, leaders: list[int], host: str):
+        self.comm, self.gang, self.leaders, self.host = comm, gang, leaders, host
+        self.tag = f"{gang.label}/lockstep"
+
+    def run(self, unit: Unit, store: Store, sandbox: Sandbox) -> UnitResult:
+        result = run_unit(unit, store, sandbox, body=self.body)
+        if self.leaders[self.comm.rank] == self.comm.rank:
+            self.comm.post(f"{self.tag}/published/{self.comm.rank}", _outcome(result))
+        return result
+
+    def body(self, ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool) -> Compiled | None:
+        rank, unit, store, result = self.comm.rank, ctx.unit, ctx.store, ctx.result
+        leader = self.leaders[rank]
+        lowered, facts, manifest, mine = None, {}, None, {"digest": None, "hit": False, "error": None}
+        identity, built_with = None, ""
+        try:
+            identity, built_with = unit_key(ctx)
+            manifest = store.get_manifest(result.key)
+            if manifest is None and leader == rank:
+                lowered, facts, manifest = self._lower(ctx, held, identity)
+            if manifest is not None:
+                mine.update(hit=True, digest=manifest["blobs"]["artifact"]["digest"])
+            elif lowered is not None:  # a blob, not a publication: the ranks sharing this graph fetch it
+                mine["digest"] = store.put_file(lowered).digest
+        except (UnitFailed, LoweringError, OSError) as e:
+            mine["error"] = str(e)
+        self.comm.post(f"{self.tag}/lowered/{rank}", mine)
+        everyone = self.comm.await_posts([f"{self.tag}/lowered/{r}" for r in range(self.gang.world_size)],
+                                         unit.limits.timeout_s, "every rank's artifact")
+        broken = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+        if broken:
+            raise UnitFailed("ranks without an artifact, so the gang cannot verify: " + "; ".join(broken))
+        if all(e["hit"] for e in everyone):
+            _hit(ctx, manifest, built_with)
+            return None
+        artifact = lowered or store.fetch(everyone[leader]["digest"], ctx.tmp / "artifact")
+        _identify(ctx, expect=identity)
+        checked = self._verify_together(ctx, artifact)
+        if lowered is not None:
+            return Compiled(lowered, result.components, facts, checked, built_with)
+        if manifest is None:  # the leader publishes once every rank verified
+            [said] = self.comm.await_posts([f"{self.tag}/published/{leader}"], unit.limits.timeout_s,
+                                           f"rank {leader} to publish")
+            manifest = store.get_manifest(result.key)
+            if manifest is None:
+                raise UnitFailed(f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
+                                 f"{said['error']}")
+        _hit(ctx, manifest, built_with)
+        return None
+
+    def _lower(self, ctx: _Ctx, held: contextlib.ExitStack, identity: dict[str, str]):
+        problem = ctx.backend.host_problem(ctx.unit.target)
+        if problem:
+            raise UnitFailed(problem, retryable=True)
+        claim = _claim(ctx.unit, ctx.store, ctx.result.key, ctx.log, ctx.phase)
+        if not isinstance(claim, Lease):
+            return None, {}, claim  # another job published it while we waited
+        held.enter_context(claim)
+        _identify(ctx, expect=identity)
+        ctx.step("gang_stand_in", rank=self.comm.rank, world_size=self.gang.world_size)
+        try:
+            artifact, facts = lower_unit(ctx)
+        finally:
+            ctx.step("gang_leave")
+        return artifact, facts, None
+
+    def _verify_together(self, ctx: _Ctx, artifact: Path) -> list[str]:
+        """Verify, then benchmark, every rank's artifact at once in the sandboxes' process group."""
+        comm, timeout = self.comm, self.gang.collective_timeout_s
+        port = ctx.step("gang_host", host=self.host, timeout_s=timeout)["port"] if comm.rank == 0 else None
+        host, port = comm.all_gather([self.host, port], "sandbox group address")[0]
+        ctx.step("gang_join", host=host, port=port, rank=comm.rank, world_size=self.gang.world_size, timeout_s=timeout,
+                 on=self.gang.device)
+        try:
+            checked, problem = [], None
+            with ctx.phase("verify"):
+                try:
+                    checked = _check(ctx, artifact, verify_it=True, bench_it=False)
+                except UnitFailed as e:
+                    problem = str(e)
+            verdicts = comm.all_gather(problem, "verification")
+            failed = [f"rank {r}: {p}" for r, p in enumerate(verdicts) if p]
+            if failed:
+                raise UnitFailed("verification in the gang failed, nothing published: " + "; ".join(failed))
+            with ctx.phase("benchmark"):
+                _check(ctx, artifact, verify_it=False, bench_it=True)
+        finally:
+            with contextlib.suppress(UnitFailed):
+                ctx.step("gang_leave")
+        return checked
