@@ -198,6 +198,9 @@ class JobSpec(_Strict):
         names = [g.name for g in self.gangs]
         if len(set(names)) != len(names):
             raise ValueError(f"gangs: names must be unique, got {names}")
+        if self.gangs and any(t.autotune and t.autotune.specialize for t in self.targets):
+            raise ValueError("gangs: autotune.specialize (static specializations) is not supported for gangs; "
+                             "drop it, or list the multi-rank model's targets in a job of its own")
         return self
 
     def resolve(self, graph: GraphSpec | str) -> str:

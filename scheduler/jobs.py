@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from farm.spec import JobSpec, SpecError, job_to_yaml
-from scheduler.plan import check_specializations, plan
+from scheduler.plan import check_specializations, plan, plan_gangs
 from scheduler.tuning import finish_tuning
 from storage import Store
 from storage.results import write_results
 from storage.stats import JobStats, write_stats
 from workers.pipeline import run_unit
 from workers.sandbox import Sandbox
-from workers.unit import Unit, UnitResult
+from workers.unit import Gang, Unit, UnitResult
 
 STATUS_FILE = "status.json"
 KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
@@ -45,6 +45,21 @@ def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[
         for unit in units:
             events.started(unit)
             result = run_unit(unit, store, sandbox)
+            events.finished(unit, result)
+            yield unit, result
+
+
+def run_gangs(runner: Runner, gangs: list[Gang], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:
+    """Gangs need a process per rank at once: runners that can place them have a `gangs` method."""
+    place = getattr(runner, "gangs", None)
+    if place is not None:
+        yield from place(gangs, store, events)
+        return
+    for gang in gangs:
+        for unit in gang.ranks:
+            result = UnitResult(unit.graph, unit.target.label, "failed", retryable=True,
+                                error=f"gang {gang.label}: a multi-rank model compiles as a gang of {gang.world_size} "
+                                      f"processes, on Ray; run the job with `farm run` or `farm submit`")
             events.finished(unit, result)
             yield unit, result
 
@@ -125,14 +140,15 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     store.put_job_file(outcome.job_id, "job.yaml", job_to_yaml(job).encode())
     status = StatusFile(store, outcome.job_id, events)
     units = plan(job, store)
+    gangs = plan_gangs(job, store)
     try:
         check_specializations(job, store, units)
     except SpecError as e:
         status.doc.update(state="rejected", error=str(e))
         status.write(force=True)
         raise
-    status.planned(units)
-    done = list(runner(units, store, status))
+    status.planned(units + [u for gang in gangs for u in gang.ranks])
+    done = (list(runner(units, store, status)) if units else []) + list(run_gangs(runner, gangs, store, status))
     outcome.results = [result for _, result in done] + finish_tuning(done, store)
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from farm.spec import JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
-from workers.unit import BenchPolicy, Target, Unit, UnitLimits, VerifyPolicy
+from workers.backends import LoweringError, resolve
+from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPolicy
 
 
 def ingest(store: Store, source: str) -> BlobRef:
@@ -40,6 +41,45 @@ def _limits(job: JobSpec, t: TargetSpec) -> UnitLimits:
                       archive_gb=lim.archive_gb)
 
 
+def _ingested(store: Store, source: str) -> tuple[BlobRef | None, str | None]:
+    try:
+        return ingest(store, source), None
+    except (OSError, StoreError) as e:
+        return None, str(e)
+
+
+def plan_gangs(job: JobSpec, store: Store) -> list[Gang]:
+    """Every multi-rank model becomes one gang per target: a unit per rank, compiled together."""
+    verify = VerifyPolicy(job.verify.atol, job.verify.rtol, job.verify.extra_sizes)
+    bench = BenchPolicy(job.benchmark.warmup, job.benchmark.repeat)
+    gangs: list[Gang] = []
+    for spec in job.gangs:
+        sources = [job.resolve(p) for p in spec.paths()]
+        programs = [_ingested(store, source) for source in sources]
+        for t in job.targets:
+            target = _target(t, job)
+            mismatch = _device_mismatch(target, spec.device, spec.name)
+            ranks = tuple(Unit(graph=f"{spec.name}.rank{r}", source=source, target=target, program=ref,
+                               ingest_error=mismatch or error, modules=tuple(job.modules) + tuple(spec.modules),
+                               verify=verify, bench=bench, limits=_limits(job, t), lease_ttl_s=job.limits.lease_s)
+                          for r, (source, (ref, error)) in enumerate(zip(sources, programs)))
+            candidates = tuple((name, tuple(sorted({**t.options, **options}.items())))
+                               for name, options in t.space().items()) if t.autotune else ()
+            gangs.append(Gang(spec.name, ranks, spec.device, spec.collective_timeout_s, candidates))
+    return gangs
+
+
+def _device_mismatch(target: Target, device: str, gang: str) -> str | None:
+    try:
+        built_for = resolve(target).device
+    except LoweringError as e:
+        return str(e)
+    if built_for != device:
+        return (f"target {target.label} builds for {built_for}, but gang {gang}'s ranks run on {device}; "
+                f"set the gang's devices or list a {device} target")
+    return None
+
+
 def plan(job: JobSpec, store: Store) -> list[Unit]:
     verify = VerifyPolicy(job.verify.atol, job.verify.rtol, job.verify.extra_sizes)
     bench = BenchPolicy(job.benchmark.warmup, job.benchmark.repeat)
@@ -47,11 +87,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
     seen: set[str] = set()
     for graph in job.graphs:
         source = job.resolve(graph)
-        ref, error = None, None
-        try:
-            ref = ingest(store, source)
-        except (OSError, StoreError) as e:
-            error = str(e)
+        ref, error = _ingested(store, source)
         label = _unique(graph.label, seen)
         for t in job.targets:
             unit = Unit(

@@ -12,19 +12,25 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from storage import CacheConfig, Store, store_from_uri
 from workers.backends import LoweringError, Placement, offered_resources, resolve
 from workers.pipeline import lookup_unit, run_unit
+from workers.gang import GangComm, run_rank
+from workers.gang_steps import open_store
 from workers.sandbox import Sandbox
-from workers.unit import Unit, UnitLimits, UnitResult
+from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
 POLL_S = 0.5
 # A unit's sandbox is killed at its timeout and the unit reported; the worker itself is only
@@ -57,6 +63,38 @@ class CompileWorker:
 
 
 _RemoteWorker = ray.remote(max_restarts=0, max_concurrency=2)(CompileWorker)  # resources: per placement
+
+
+class GangMember:
+    """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
+    long as the gang. Rank 0 hosts the store the gang's process group forms through."""
+
+    def __init__(self, store_uri: str, limits: UnitLimits, device: str, rank: int):
+        self.store = store_from_uri(store_uri, CacheConfig.from_env())
+        self.rank, self.host = rank, ray.util.get_node_ip_address()
+        self.rendezvous = None
+        self.sandbox = Sandbox()
+        self.sandbox.prestart(limits, device)
+
+    def host_store(self, timeout_s: float) -> tuple[str, int]:
+        self.rendezvous = open_store(self.host, 0, True, timeout_s)
+        return self.host, self.rendezvous.port
+
+    def run(self, gang: Gang, address: tuple[str, int]) -> UnitResult:
+        timeout = gang.collective_timeout_s
+        store = self.rendezvous or open_store(address[0], address[1], False, timeout)
+        comm = GangComm(store, self.rank, gang.world_size, timeout)
+        try:
+            with tempfile.TemporaryDirectory(prefix="farm-gang-") as tmp:
+                result = run_rank(comm, gang, self.store, self.sandbox, self.host, Path(tmp))
+        finally:
+            comm.close()
+        result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
+        return result
+
+
+_RemoteGangMember = ray.remote(max_restarts=0)(GangMember)
+PLACE_S = 60.0  # a gang whose bundles Ray cannot reserve by then fails, with what it asked for
 
 
 @dataclass
@@ -105,6 +143,10 @@ class RayRunner:
     def _restart(self, slot: _Slot, resource: str | None = None) -> None:
         ray.kill(slot.actor, no_restart=True)
         self._start(slot, resource or slot.resource)
+
+    def gangs(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        """Multi-rank models, after the pool's units (whose workers have released their slots)."""
+        yield from GangRunner(self.job_id)(gangs, store, events)
 
     def busy_workers(self) -> dict[str, int]:
         """Unit id → PID of the worker compiling it (for operators and fault-injection tests)."""
@@ -226,6 +268,95 @@ class RayRunner:
                 yield unit, result
 
 
+class GangRunner:
+    """Places each gang with a placement group (one bundle per rank, all or nothing) and runs it;
+    any rank's failure or death fails the whole gang, whose actors and bundles are then freed."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+
+    def __call__(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        for gang in gangs:
+            results = self._run(gang, store.uri, events)
+            for unit, result in zip(gang.ranks, results):
+                events.finished(unit, result)
+                yield unit, result
+
+    def _bundle(self, gang: Gang) -> tuple[dict[str, float], str] | str:
+        """One rank's bundle, sharing a node's slots among the ranks (a gang of 4 fits on 2 cores),
+        or why none can be made."""
+        unreadable = [f"rank {r}: {u.ingest_error}" for r, u in enumerate(gang.ranks) if u.program is None]
+        if unreadable:
+            return "ranks that cannot take part, so the gang was not placed: " + "; ".join(unreadable)
+        try:
+            placement = resolve(gang.ranks[0].target).placement(gang.ranks[0].target)
+        except LoweringError as e:
+            return str(e)
+        resource = placement.device_class
+        slots = max((min(n["Resources"].get(resource, 0), n["Resources"].get("CPU", 0))
+                     for n in ray.nodes() if n.get("Alive")), default=0)
+        if slots <= 0:
+            return (f"no Ray node offers resource {resource!r} and a CPU, so no rank could be placed; start a node "
+                    f"that can with ray start --resources \"$(farm resources)\"")
+        share = round(min(1.0, slots / gang.world_size), 4)
+        bundle = {"CPU": share, resource: share} | ({"GPU": placement.gpus} if placement.gpus else {})
+        return bundle, resolve(gang.ranks[0].target).device
+
+    def _run(self, gang: Gang, store_uri: str, events) -> list[UnitResult]:
+        made = self._bundle(gang)
+        if isinstance(made, str):
+            return [_failed(u, f"gang {gang.label}: {made}", retryable=True) for u in gang.ranks]
+        bundle, device = made
+        pg = placement_group([bundle] * gang.world_size, strategy="PACK", name=f"{self.job_id}/gang/{gang.label}")
+        actors: list = []
+        try:
+            if not pg.wait(timeout_seconds=PLACE_S):
+                return [_failed(u, f"gang {gang.label}: Ray could not reserve {gang.world_size} bundles of {bundle} "
+                                   f"within {PLACE_S:g}s; free or add nodes", retryable=True) for u in gang.ranks]
+            actors = [_RemoteGangMember.options(
+                name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            ).remote(store_uri, gang.ranks[r].limits, device, r) for r in range(gang.world_size)]
+            for unit in gang.ranks:
+                events.started(unit)
+            return self._await(gang, actors)
+        finally:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(pg)
+
+    def _await(self, gang: Gang, actors: list) -> list[UnitResult]:
+        """Every rank's result; the first rank to die or fail to answer stops the gang at once."""
+        limit = max(u.limits.timeout_s for u in gang.ranks) + gang.collective_timeout_s + WORKER_GRACE_S
+        try:
+            address = ray.get(actors[0].host_store.remote(gang.collective_timeout_s), timeout=limit)
+        except (ActorDiedError, ActorUnavailableError, RayActorError, GetTimeoutError) as e:
+            return [_failed(u, f"gang {gang.label}: rank 0's worker did not start ({type(e).__name__})",
+                            retryable=True) for u in gang.ranks]
+        futures = [actor.run.options(name=f"gang {gang.label} rank {r}").remote(gang, address)
+                   for r, actor in enumerate(actors)]
+        results: dict[int, UnitResult] = {}
+        deadline = time.monotonic() + limit
+        while len(results) < len(futures):
+            pending = [f for r, f in enumerate(futures) if r not in results]
+            ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            for future in ready:
+                rank = futures.index(future)
+                try:
+                    results[rank] = ray.get(future)
+                except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as e:
+                    return self._stopped(gang, rank, f"its worker died ({type(e).__name__})")
+            if time.monotonic() > deadline:
+                late = min(r for r in range(len(futures)) if r not in results)
+                return self._stopped(gang, late, f"still running {limit:g}s after the gang started")
+        return [results[r] for r in range(len(futures))]
+
+    def _stopped(self, gang: Gang, rank: int, why: str) -> list[UnitResult]:
+        return [_failed(u, f"gang {gang.label}: rank {rank} {why}; the gang was stopped", retryable=True)
+                for u in gang.ranks]
+
+
 def _route(unit: Unit) -> Placement | None:
     if unit.program is None:
         return None
@@ -236,6 +367,8 @@ def _route(unit: Unit) -> Placement | None:
 
 
 def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:
+    if message.startswith("gang "):
+        return UnitResult(unit.graph, unit.target.label, "failed", error=message, retryable=retryable)
     return UnitResult(unit.graph, unit.target.label, "failed", error=f"graph {unit.graph} ({unit.target.label}): {message}",
                       retryable=retryable)
 

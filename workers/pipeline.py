@@ -387,6 +387,8 @@ def _manifest(unit: Unit, result: UnitResult, ready: Compiled, timings: dict[str
         "artifact": ready.facts,
         "weights": {"mode": unit.target.weights, "built_with": ready.built_with},
         "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked},
+        # a gang's agreement this rank's program was re-exported with (workers/gang.py)
+        "agreed_shapes": {"dims": [list(d) for d in unit.agreed_dims], "sizes": dict(unit.agreed_sizes)} if unit.agreed else None,
         "metrics": dict(result.metrics),
         "device": result.device,  # where the metrics were measured
         "timings": dict(timings),

@@ -1,0 +1,121 @@
+"""Multi-rank models compiled as gangs on a real Ray cluster: each rank its own actor in one
+placement group, agreeing through compiler collectives over a real gloo process group."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from farm.spec import parse_job
+from scheduler.jobs import NoEvents, execute
+from scheduler.ray_pool import PoolConfig, RayRunner
+from storage import store_from_uri
+from tests.gang_models import replicas, shards
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path, gangs, job_id, targets=("aoti-cpu:avx2",), events=NoEvents(), **extra):
+    job = parse_job({"name": job_id, "gangs": gangs, "targets": list(targets), **extra})
+    store = store_from_uri(str(tmp_path / "store"))
+    return execute(job, store, RayRunner(PoolConfig(), job_id=job_id), events=events), store
+
+
+def test_identical_data_parallel_ranks_compile_once(ray_cluster, tmp_path):
+    pattern = replicas(tmp_path, 4)
+    outcome, _ = _run(tmp_path, [{"name": "dp", "ranks": pattern, "world_size": 4}], "dp")
+    results = outcome.results
+    assert [r.graph for r in results] == [f"dp.rank{r}" for r in range(4)]
+    assert [r.status for r in results].count("compiled") == 1, [(r.status, r.error) for r in results]
+    assert [r.status for r in results].count("hit") == 3
+    assert len({r.key for r in results}) == 1 and len({r.artifact.digest for r in results}) == 1
+    assert {r.metrics["gang_leader"] for r in results} == {0.0}
+    assert len({r.worker for r in results}) == 4  # four rank actors, on two cores
+
+
+def test_tensor_parallel_ranks_agree_on_one_range_and_verify_across_the_gang(ray_cluster, tmp_path):
+    paths = shards(tmp_path, "tp", 2, ranges=[(2, 32), (4, 16)], examples=[8, 6])
+    outcome, store = _run(tmp_path, [{"name": "tp", "ranks": paths, "world_size": 2}], "tp")
+    for r in outcome.results:
+        assert r.status == "compiled", r.error
+        assert r.metrics["max_abs_err"] <= 1e-4 and r.metrics["compiled_ms"] > 0  # ran over the real group
+        manifest = store.get_manifest(r.key)
+        assert manifest["agreed_shapes"]["dims"] == [["x.0", 4, 16]]  # the intersection, on both ranks
+        assert manifest["agreed_shapes"]["sizes"] == {"x.0": 8}  # one example size: rank 0's
+    assert len({r.key for r in outcome.results}) == 2  # different shards: two compiles
+
+
+def test_an_extra_all_reduce_on_one_rank_fails_the_gang_before_compiling(ray_cluster, tmp_path):
+    paths = shards(tmp_path, "div", 4, ranges=[(2, 32)] * 4, examples=[4] * 4, extra_on=3)
+    start = time.monotonic()
+    outcome, store = _run(tmp_path, [{"name": "div", "ranks": paths, "world_size": 4}], "div")
+    print(f"a divergent gang of 4 failed in {time.monotonic() - start:.1f}s")
+    for r in outcome.results:
+        assert r.status == "failed"
+        assert "collective #2" in r.error and "rank 3 issue all_reduce" in r.error, r.error
+        assert "ranks 0, 1, 2 issue no more collectives" in r.error
+        assert "lower" not in r.timings
+    assert outcome.count("compiled") == 0
+
+
+def test_conflicting_dynamic_ranges_are_reported_not_guessed(ray_cluster, tmp_path):
+    paths = shards(tmp_path, "far", 2, ranges=[(2, 8), (16, 32)], examples=[4, 20])
+    outcome, _ = _run(tmp_path, [{"name": "far", "ranks": paths, "world_size": 2}], "far")
+    for r in outcome.results:
+        assert r.status == "failed" and "x.0" in r.error and "do not overlap" in r.error, r.error
+
+
+class _Finishes(NoEvents):
+    def __init__(self):
+        self.at: dict[str, float] = {}
+
+    def finished(self, unit, result):
+        self.at[unit.graph] = time.monotonic()
+
+
+def test_killing_one_ranks_actor_fails_its_gang_quickly_and_the_job_goes_on(ray_cluster, tmp_path):
+    paths = shards(tmp_path, "tpk", 2, ranges=[(2, 32)] * 2, examples=[4] * 2)
+    killed: dict[str, float] = {}
+
+    def kill_rank_1():
+        name = "kill/gang/tpk@aoti-cpu:avx2/rank1"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                actor = ray.get_actor(name, namespace="farm")
+            except ValueError:
+                time.sleep(0.2)
+                continue
+            time.sleep(8)  # started, and into its compile
+            ray.kill(actor, no_restart=True)
+            killed["at"] = time.monotonic()
+            return
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    events = _Finishes()
+    outcome, _ = _run(tmp_path, [{"name": "tpk", "ranks": paths, "world_size": 2, "collective_timeout_s": 30},
+                                 {"name": "dp", "ranks": replicas(tmp_path, 2), "world_size": 2}], "kill", events=events)
+    killer.join()
+    by_graph = {r.graph: r for r in outcome.results}
+    for r in range(2):
+        failed = by_graph[f"tpk.rank{r}"]
+        assert failed.status == "failed" and "rank 1" in failed.error and "died" in failed.error, failed.error
+    assert events.at["tpk.rank0"] - killed["at"] < 30  # within the collective timeout, never a hang
+    assert {by_graph["dp.rank0"].status, by_graph["dp.rank1"].status} == {"compiled", "hit"}
+    assert not ray.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_inductor_cache_ranks_mark_the_same_dimensions_dynamic(ray_cluster, tmp_path):
+    paths = shards(tmp_path, "ic", 2, ranges=[(2, 32)] * 2, examples=[4, 6])
+    outcome, store = _run(tmp_path, [{"name": "ic", "ranks": paths, "world_size": 2}], "ic",
+                          targets=("inductor-cache:avx2",))
+    facts = []
+    for r in outcome.results:
+        assert r.status == "compiled", r.error
+        facts.append(store.get_manifest(r.key)["artifact"])
+    assert facts[0]["mark_dynamic"] == facts[1]["mark_dynamic"] == ["x.0"]
+    assert facts[0]["graphs_compiled"] == facts[1]["graphs_compiled"] == 1  # dynamic from the first call
