@@ -119,3 +119,18 @@ def test_inductor_cache_ranks_mark_the_same_dimensions_dynamic(ray_cluster, tmp_
         facts.append(store.get_manifest(r.key)["artifact"])
     assert facts[0]["mark_dynamic"] == facts[1]["mark_dynamic"] == ["x.0"]
     assert facts[0]["graphs_compiled"] == facts[1]["graphs_compiled"] == 1  # dynamic from the first call
+
+
+def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_all(ray_cluster, tmp_path):
+    pattern = replicas(tmp_path, 2)
+    target = {"backend": "aoti-cpu", "isa": "avx2", "autotune": {"candidates": ["default", "single_thread"]}}
+    outcome, _ = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 2}], "tune", targets=(target,))
+    results = outcome.results
+    assert len(results) == 2 and all(r.status in ("compiled", "hit") for r in results), [r.error for r in results]
+    assert [r.metrics["autotune_compiled_here"] for r in results] == [1.0, 1.0]  # one candidate each
+    measured = {k: v for k, v in results[0].metrics.items() if k.startswith("autotune_ms[")}
+    assert set(measured) == {"autotune_ms[default]", "autotune_ms[single_thread]"}
+    assert measured == {k: v for k, v in results[1].metrics.items() if k.startswith("autotune_ms[")}
+    winner = min(measured, key=measured.get)[len("autotune_ms["):-1]
+    assert {r.candidate for r in results} == {winner} and {r.target for r in results} == {"aoti-cpu:avx2"}
+    assert len({r.artifact.digest for r in results}) == 1

@@ -30,7 +30,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -108,10 +108,20 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     try:
         unit, shared = _agree(comm, gang, unit, store, sandbox, workdir)
         leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox), "fingerprints"))
-        if shared["collectives"]:
-            result = _Lockstep(comm, gang, leaders, host).run(unit, store, sandbox)
-        else:
-            result = _each_alone(comm, gang, unit, leaders, store, sandbox)
+
+        def compile_as(unit: Unit) -> UnitResult:
+            if shared["collectives"]:
+                return _Lockstep(comm, gang, leaders, host).run(unit, store, sandbox)
+            return _each_alone(comm, gang, unit, leaders, store, sandbox)
+
+        tuned: dict[str, Any] = {}
+        if gang.candidates:
+            unit, tuned = _tune(comm, gang, unit, compile_as, split=not shared["collectives"], store=store,
+                                sandbox=sandbox)
+        result = compile_as(unit)
+        if tuned:
+            result.target, result.candidate = unit.target.base_label, unit.target.candidate
+            result.metrics.update(tuned)
     except GangFailed as e:
         return _failed(unit, gang, str(e))
     result.metrics.update(gang_rank=float(rank), gang_world_size=float(gang.world_size),
@@ -119,6 +129,46 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     if result.status == "failed" and result.error and not result.error.startswith("gang "):
         result.error = f"gang {gang.label}: {result.error}"
     return result
+
+
+def _tune(comm: GangComm, gang: Gang, unit: Unit, compile_as: Callable[[Unit], UnitResult], split: bool,
+          store: Store, sandbox: Sandbox) -> tuple[Unit, dict[str, float]]:
+    """Autotune consensus: the candidates' latencies, all-gathered, and one winner for every rank.
+
+    Graphs without collectives split the candidates across the ranks: each compiles, verifies
+    and times its share on its own graph. A graph with collectives runs on every rank or on
+    none, so each candidate is compiled and timed by the whole gang, one after another, and its
+    latency is the slowest rank's."""
+    def as_candidate(name: str) -> Unit:
+        options = dict(gang.candidates)[name]
+        return replace(unit, target=replace(unit.target, candidate=name, options=options))
+
+    def latency(result: UnitResult) -> float | None:
+        return result.metrics.get("compiled_ms") if result.status in ("compiled", "hit") else None
+
+    names = [name for name, _ in gang.candidates]
+    measured: dict[str, float | None] = {}
+    compiled_here = 0
+    if split:
+        mine = {}
+        for name in names[comm.rank::comm.world_size]:
+            result = run_unit(as_candidate(name), store, sandbox)
+            compiled_here += result.status == "compiled"
+            mine[name] = latency(result)
+        for theirs in comm.all_gather(mine, "autotune measurements"):
+            measured.update(theirs)
+    else:
+        for name in names:
+            result = compile_as(as_candidate(name))
+            compiled_here += result.status == "compiled"
+            everyone = comm.all_gather(latency(result), f"autotune measurement of {name}")
+            measured[name] = None if None in everyone else max(everyone)
+    timed = {name: ms for name, ms in measured.items() if ms is not None}
+    if not timed:
+        raise GangFailed(f"no autotune candidate compiled and verified ({', '.join(names)}); see the unit logs")
+    winner = min(timed, key=timed.get)
+    metrics = {f"autotune_ms[{name}]": ms for name, ms in timed.items()}
+    return as_candidate(winner), {**metrics, "autotune_compiled_here": float(compiled_here)}
 
 
 def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, dict]:
@@ -188,7 +238,7 @@ def _outcome(result: UnitResult) -> dict[str, Any]:
 def _each_alone(comm: GangComm, gang: Gang, unit: Unit, leaders: list[int], store: Store, sandbox: Sandbox) -> UnitResult:
     """Graphs without collectives: each leader compiles and verifies on its own, as any unit;
     the ranks that share its program wait for it and take its artifact."""
-    rank, leader, tag = comm.rank, leaders[comm.rank], f"{gang.label}/compiled"
+    rank, leader, tag = comm.rank, leaders[comm.rank], f"{gang.name}/{unit.target.label}/compiled"
     if leader == rank:
         result = run_unit(unit, store, sandbox)
         comm.post(f"{tag}/{rank}", _outcome(result))
@@ -208,9 +258,9 @@ class _Lockstep:
 
     def __init__(self, comm: GangComm, gang: Gang, leaders: list[int], host: str):
         self.comm, self.gang, self.leaders, self.host = comm, gang, leaders, host
-        self.tag = f"{gang.label}/lockstep"
 
     def run(self, unit: Unit, store: Store, sandbox: Sandbox) -> UnitResult:
+        self.tag = f"{self.gang.name}/{unit.target.label}/lockstep"
         result = run_unit(unit, store, sandbox, body=self.body)
         if self.leaders[self.comm.rank] == self.comm.rank:
             self.comm.post(f"{self.tag}/published/{self.comm.rank}", _outcome(result))
