@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import resource
+import signal
 import sys
 import time
 import traceback
@@ -75,8 +76,21 @@ def _log_to_stderr() -> None:
     warnings.simplefilter("always")
 
 
+def _die_with_parent() -> None:
+    """A worker killed by Ray (a gang stopped, a stuck unit) must not leave its child running,
+    blocked in a collective or a hung artifact: the kernel kills us when the worker goes."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the worker died before we asked
+        os._exit(1)
+
+
 def main() -> None:
     reply_fd, limits, device = int(sys.argv[1]), UnitLimits(**json.loads(sys.argv[2])), sys.argv[3]
+    if sys.platform == "linux":
+        _die_with_parent()
     _apply_limits(limits, device)
     replies = os.fdopen(reply_fd, "wb")
     requests = sys.stdin.buffer

@@ -1,0 +1,95 @@
+"""A gang of 4 identical CPU ranks against one compile of the same graph, in one run; and the
+time a divergent gang takes to fail.
+
+Both sides go through the farm on an embedded Ray (its start not counted: a farm's cluster is
+already up), each in a fresh process with a fresh store and a fresh Inductor cache (the
+precompiled header in /tmp is shared), and each pays for its actors' start: one worker for the
+single compile; four rank actors, their process group, the compiler collectives, one compile and
+three lookups for the gang.
+
+    .venv/bin/python bench/gang.py [--model mlp] [--ranks 4]
+
+Prints gang_time / single_time (goal <= 1.1) and how long a gang whose last rank issues an
+extra all-reduce takes to fail.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _side(args: argparse.Namespace) -> None:
+    """One side, in this fresh process: prints {"seconds": ..., "statuses": [...]} as JSON."""
+    sys.path.insert(0, str(ROOT))
+    from farm.spec import parse_job
+    from scheduler.jobs import execute
+    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+    from storage import store_from_uri
+
+    spec = json.loads(args.job)
+    with ray_session(None, slots=os.cpu_count()):
+        t0 = time.perf_counter()
+        outcome = execute(parse_job(spec), store_from_uri(args.store), RayRunner(PoolConfig(), job_id=spec["name"]))
+        seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "statuses": [r.status for r in outcome.results],
+                      "errors": [r.error for r in outcome.results if r.error]}))
+
+
+def _run(job: dict, root: Path, name: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / f"cache-{name}")}
+    out = subprocess.run([sys.executable, __file__, "--side", "--job", json.dumps(job), "--store", str(root / f"store-{name}")],
+                         check=True, env=env, cwd=ROOT, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--side", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.side:
+        _side(args)
+        return
+    sys.path.insert(0, str(ROOT))
+    from farm.zoo import export_zoo
+    from tests.gang_models import shards
+
+    root = Path(tempfile.mkdtemp(prefix="farm-bench-gang-"))
+    (graph,) = export_zoo(root / "zoo", [args.model])
+    for r in range(args.ranks):
+        shutil.copy(graph, root / f"rank{r}.pt2")
+    target = ["aoti-cpu:avx2"]
+
+    single = _run({"name": "single", "graphs": [str(graph)], "targets": target}, root, "single")
+    gang = _run({"name": "gang", "targets": target, "gangs": [
+        {"name": args.model, "ranks": str(root / "rank{rank}.pt2"), "world_size": args.ranks}]}, root, "gang")
+    assert single["statuses"] == ["compiled"], single
+    assert sorted(gang["statuses"]) == ["compiled"] + ["hit"] * (args.ranks - 1), gang
+
+    divergent = shards(root, "divergent", args.ranks, [(2, 32)] * args.ranks, [4] * args.ranks, extra_on=args.ranks - 1)
+    failed = _run({"name": "divergent", "targets": target, "gangs": [
+        {"name": "divergent", "ranks": divergent, "world_size": args.ranks}]}, root, "divergent")
+    assert set(failed["statuses"]) == {"failed"} and "collective #2" in failed["errors"][0], failed
+
+    print(f"compared: zoo model {args.model!r} for {target[0]}, each side cold (fresh process, store and Inductor "
+          f"cache; actor start-up counted, Ray's not), on {os.cpu_count()} cores")
+    print(f"single compile (1 worker):              {single['seconds']:7.1f} s")
+    print(f"gang of {args.ranks} identical ranks (1 compile):   {gang['seconds']:7.1f} s")
+    print(f"gang_time / single_time = {gang['seconds'] / single['seconds']:.2f}  (goal <= 1.1)")
+    print(f"a divergent gang of {args.ranks} failed in {failed['seconds']:.1f} s: {failed['errors'][0]}")
+
+
+if __name__ == "__main__":
+    main()
