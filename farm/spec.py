@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workers.autotune import DEFAULT_SPACE, resolve_space
 from workers.unit import UnitLimits
@@ -14,6 +14,15 @@ from workers.unit import UnitLimits
 
 class SpecError(ValueError):
     """The job spec is wrong; the message names the file and field and says what to do."""
+
+
+def _plain_name(v: str) -> str:
+    if not v or "/" in v or v.startswith("."):
+        raise ValueError("must be a plain name without '/' (it becomes part of ids and result names)")
+    return v
+
+
+PlainName = Annotated[str, AfterValidator(_plain_name)]
 
 
 class _Strict(BaseModel):
@@ -41,7 +50,7 @@ RankDevice = Literal["cpu", "cuda"]
 class GangSpec(_Strict):
     """A multi-rank model: one exported program per rank, compiled together as a gang whose
     ranks agree through compiler collectives (workers/gang.py)."""
-    name: str = Field(description="the model's name; its ranks' results are <name>.rank<N>")
+    name: PlainName = Field(description="the model's name; its ranks' results are <name>.rank<N>")
     ranks: list[str] | str = Field(
         description="one .pt2 per rank, in rank order, or one pattern with {rank} (e.g. tp/rank{rank}.pt2)")
     world_size: int = Field(ge=1, le=1024, description="how many ranks the model runs on")
@@ -51,13 +60,6 @@ class GangSpec(_Strict):
     collective_timeout_s: float = Field(
         60.0, gt=0, description="a compiler collective not answered by every rank within this fails the gang")
     modules: list[str] = []
-
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, v: str) -> str:
-        if not v or "/" in v or v.startswith("."):
-            raise ValueError("must be a plain name without '/' (it names the gang's results)")
-        return v
 
     @model_validator(mode="after")
     def _one_program_per_rank(self) -> "GangSpec":
@@ -171,7 +173,7 @@ class LimitsSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = "job"
+    name: PlainName = "job"
     graphs: list[GraphSpec] = []
     gangs: list[GangSpec] = Field([], description="multi-rank models, compiled as gangs (one program per rank)")
     targets: list[TargetSpec] = Field(min_length=1)
@@ -183,13 +185,6 @@ class JobSpec(_Strict):
         "values", description="values: one artifact per checkpoint; shapes: the key hashes only weight names, shapes "
                               "and dtypes, and any checkpoint of the same architecture loads into the artifact")
     base_dir: str = Field(".", exclude=True, description="where relative graph paths start; set from the job file")
-
-    @field_validator("name")
-    @classmethod
-    def _name_is_a_path_segment(cls, v: str) -> str:
-        if not v or "/" in v or v.startswith("."):
-            raise ValueError("must be a plain name without '/' (it becomes part of the job id)")
-        return v
 
     @model_validator(mode="after")
     def _something_to_compile(self) -> "JobSpec":

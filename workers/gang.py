@@ -318,31 +318,64 @@ class _Lockstep:
         ctx.step("gang_stand_in", rank=self.comm.rank, world_size=self.gang.world_size)
         try:
             artifact, facts = lower_unit(ctx)
-        finally:
-            ctx.step("gang_leave")
+        finally:  # the stand-in group's name stays registered in that child: verify in a fresh one
+            ctx.sandbox.retire(ctx.unit.limits, self.gang.device)
+            ctx.identified = None
         return artifact, facts, None
 
     def _verify_together(self, ctx: _Ctx, artifact: Path) -> list[str]:
-        """Verify, then benchmark, every rank's artifact at once in the sandboxes' process group."""
+        """Verify, then benchmark, every rank's artifact at once in the sandboxes' process group.
+
+        AOTInductor's compiled functional collectives on gloo (torch 2.13) now and then never
+        return from a wait whose collective the other ranks finished; no gloo timeout ends it.
+        So each step here has the collective timeout as its limit, and a gang whose step got
+        stuck on any rank tries once more with fresh sandboxes before it fails."""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return self._check_together(ctx, artifact)
+            except _Stuck as e:
+                ctx.log.note(f"attempt {attempt} of {ATTEMPTS}: {e}")
+                if attempt == ATTEMPTS:
+                    raise UnitFailed(f"{e}; tried {ATTEMPTS} times with fresh sandboxes (raise collective_timeout_s "
+                                     f"if the rank graphs take longer to run)") from None
+        raise AssertionError("unreachable")
+
+    def _check_together(self, ctx: _Ctx, artifact: Path) -> list[str]:
         comm, timeout = self.comm, self.gang.collective_timeout_s
-        port = ctx.step("gang_host", host=self.host, timeout_s=timeout)["port"] if comm.rank == 0 else None
-        host, port = comm.all_gather([self.host, port], "sandbox group address")[0]
-        ctx.step("gang_join", host=host, port=port, rank=comm.rank, world_size=self.gang.world_size, timeout_s=timeout,
-                 on=self.gang.device)
+        unit_deadline = ctx.deadline
         try:
-            checked, problem = [], None
-            with ctx.phase("verify"):
-                try:
-                    checked = _check(ctx, artifact, verify_it=True, bench_it=False)
-                except UnitFailed as e:
-                    problem = str(e)
-            verdicts = comm.all_gather(problem, "verification")
-            failed = [f"rank {r}: {p}" for r, p in enumerate(verdicts) if p]
-            if failed:
-                raise UnitFailed("verification in the gang failed, nothing published: " + "; ".join(failed))
-            with ctx.phase("benchmark"):
-                _check(ctx, artifact, verify_it=False, bench_it=True)
+            port = ctx.step("gang_host", host=self.host, timeout_s=timeout)["port"] if comm.rank == 0 else None
+            host, port = comm.all_gather([self.host, port], "sandbox group address")[0]
+            ctx.step("gang_join", host=host, port=port, rank=comm.rank, world_size=self.gang.world_size,
+                     timeout_s=timeout, on=self.gang.device)
+            _identify(ctx)  # the fresh child has not loaded the program yet
+            checked = []
+            for what in ("verify", "benchmark"):
+                problem = None
+                ctx.deadline = min(unit_deadline, time.monotonic() + timeout)
+                with ctx.phase(what):
+                    try:
+                        checked = _check(ctx, artifact, verify_it=what == "verify", bench_it=what == "benchmark") or checked
+                    except UnitFailed as e:
+                        problem = str(e)
+                ctx.deadline = unit_deadline
+                verdicts = comm.all_gather(problem, f"{what} verdicts")
+                failed = [f"rank {r}: {p}" for r, p in enumerate(verdicts) if p]
+                if any(p and p.startswith("check: timeout") for p in verdicts):
+                    raise _Stuck(f"{what} in the gang got stuck: " + "; ".join(failed))
+                if failed:
+                    raise UnitFailed(f"{what} in the gang failed, nothing published: " + "; ".join(failed))
+            return checked
         finally:
-            with contextlib.suppress(UnitFailed):
-                ctx.step("gang_leave")
-        return checked
+            ctx.deadline = unit_deadline
+            # A child that ran in a gang's group never serves again: torch keeps the group's name
+            # registered, and artifacts run in the next group of that name hung in its collectives.
+            ctx.sandbox.retire(ctx.unit.limits, self.gang.device)
+            ctx.identified = None
+
+
+class _Stuck(Exception):
+    """A lockstep step passed the collective timeout on some rank."""
+
+
+ATTEMPTS = 2

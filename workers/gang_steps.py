@@ -64,11 +64,11 @@ class GangSteps:
     def gang_join(self, unit: Unit, host: str, port: int, rank: int, world_size: int, timeout_s: float,
                   on: str) -> dict[str, Any]:
         """Form the gang's process group: WORLD here is the group (name "0") the artifacts were built for."""
+        import torch.distributed._functional_collectives  # noqa: F401  (as in a child that lowered)
+
         timeout = dt.timedelta(seconds=timeout_s)
         if self._gang_store is None:
             self._gang_store = open_store(host, port, False, timeout_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         if on == "cuda":
             torch.cuda.set_device(0)  # the one GPU this sandbox sees
         dist.init_process_group("nccl" if on == "cuda" else "gloo", store=self._gang_store, rank=rank,
@@ -80,13 +80,5 @@ class GangSteps:
         are not there to form one yet: torch's fake process group stands in (nothing is sent)."""
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        return {}
-
-    def gang_leave(self, unit: Unit) -> dict[str, Any]:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._gang_store = None
         return {}

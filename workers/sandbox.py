@@ -275,6 +275,11 @@ class Sandbox:
             os.close(self._replies)
         self._proc, self._replies, self._spawned = None, None, None
 
+    def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
+        """Replace the child with a fresh one (started now, warm by the next call)."""
+        self._kill()
+        self.prestart(limits, device)
+
     def close(self) -> None:
         self._kill()
         if self._base is not None:
