@@ -38,8 +38,10 @@ import torch.distributed as dist
 from storage import Lease, Store
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
 from workers.backends import LoweringError
-from workers.pipeline import (Compiled, UnitFailed, _check, _claim, _Ctx, _hit, _identify, lookup_unit, lower_unit,
-                              run_unit, unit_key)
+from storage.identities import put_identity
+from workers.keys import identity_variant
+from workers.pipeline import (Compiled, UnitFailed, _check, _claim, _Ctx, _hit, _identify, _identity, lookup_unit,
+                              lower_unit, run_unit, unit_key)
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import Gang, Unit, UnitResult
 
@@ -182,7 +184,10 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
             reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
                                  device=gang.device, unit=unit, program=str(program), facts=True)
             facts = reply.get("facts")
-        except (SandboxFailed, OSError) as e:
+            identity, built_with = _identity(reply)  # kept, so naming the program later needs no second load
+            put_identity(store, unit.program.digest, identity_variant(unit.target.weights, unit.specialize, unit.agreed),
+                         {"identity": identity, "built_with": built_with})
+        except (SandboxFailed, UnitFailed, OSError) as e:
             error = str(e)
     everyone = comm.all_gather({"error": error, "facts": facts}, "facts")
     broken = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"] or not isinstance(e["facts"], dict)]
