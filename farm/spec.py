@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from workers.autotune import DEFAULT_SPACE, resolve_space
 from workers.unit import UnitLimits
@@ -174,8 +175,8 @@ class LimitsSpec(_Strict):
 
 class JobSpec(_Strict):
     name: PlainName = "job"
-    graphs: list[GraphSpec] = []
     gangs: list[GangSpec] = Field([], description="multi-rank models, compiled as gangs (one program per rank)")
+    graphs: list[GraphSpec] = Field([], validate_default=True)
     targets: list[TargetSpec] = Field(min_length=1)
     modules: list[str] = Field([], description="modules to import before loading any program (e.g. pytree registrations)")
     verify: VerifySpec = VerifySpec()
@@ -186,10 +187,15 @@ class JobSpec(_Strict):
                               "and dtypes, and any checkpoint of the same architecture loads into the artifact")
     base_dir: str = Field(".", exclude=True, description="where relative graph paths start; set from the job file")
 
+    @field_validator("graphs")
+    @classmethod
+    def _something_to_compile(cls, v: list[GraphSpec], info: ValidationInfo) -> list[GraphSpec]:
+        if not v and not info.data.get("gangs"):
+            raise ValueError("list at least one graph, or a multi-rank model under gangs")
+        return v
+
     @model_validator(mode="after")
-    def _something_to_compile(self) -> "JobSpec":
-        if not self.graphs and not self.gangs:
-            raise ValueError("list at least one graph (graphs) or multi-rank model (gangs)")
+    def _gangs_apart(self) -> "JobSpec":
         names = [g.name for g in self.gangs]
         if len(set(names)) != len(names):
             raise ValueError(f"gangs: names must be unique, got {names}")
