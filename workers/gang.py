@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 
 from storage import Lease, Store
-from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
-from workers.backends import LoweringError
 from storage.identities import put_identity
+from workers.backends import LoweringError
+from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
 from workers.keys import identity_variant
-from workers.pipeline import (Compiled, UnitFailed, _check, _claim, _Ctx, _hit, _identify, _identity, lookup_unit,
-                              lower_unit, run_unit, unit_key)
+from workers.pipeline import (Compiled, UnitContext, UnitFailed, check_artifact, claim_key, identify_program, lookup_unit,
+                              lower_unit, parse_identity, run_unit, take_hit, unit_key)
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import Gang, Unit, UnitResult
 
@@ -184,7 +184,7 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
             reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
                                  device=gang.device, unit=unit, program=str(program), facts=True)
             facts = reply.get("facts")
-            identity, built_with = _identity(reply)  # kept, so naming the program later needs no second load
+            identity, built_with = parse_identity(reply)  # kept, so naming the program later needs no second load
             put_identity(store, unit.program.digest, identity_variant(unit.target.weights, unit.specialize, unit.agreed),
                          {"identity": identity, "built_with": built_with})
         except (SandboxFailed, UnitFailed, OSError) as e:
@@ -271,7 +271,7 @@ class _Lockstep:
             self.comm.post(f"{self.tag}/published/{self.comm.rank}", _outcome(result))
         return result
 
-    def body(self, ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool) -> Compiled | None:
+    def body(self, ctx: UnitContext, held: contextlib.ExitStack, hits_only: bool) -> Compiled | None:
         rank, unit, store, result = self.comm.rank, ctx.unit, ctx.store, ctx.result
         leader = self.leaders[rank]
         lowered, facts, manifest, mine = None, {}, None, {"digest": None, "hit": False, "error": None}
@@ -294,10 +294,10 @@ class _Lockstep:
         if broken:
             raise UnitFailed("ranks without an artifact, so the gang cannot verify: " + "; ".join(broken))
         if all(e["hit"] for e in everyone):
-            _hit(ctx, manifest, built_with)
+            take_hit(ctx, manifest, built_with)
             return None
         artifact = lowered or store.fetch(everyone[leader]["digest"], ctx.tmp / "artifact")
-        _identify(ctx, expect=identity)
+        identify_program(ctx, expect=identity)
         checked = self._verify_together(ctx, artifact)
         if lowered is not None:
             return Compiled(lowered, result.components, facts, checked, built_with)
@@ -308,18 +308,18 @@ class _Lockstep:
             if manifest is None:
                 raise UnitFailed(f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
                                  f"{said['error']}")
-        _hit(ctx, manifest, built_with)
+        take_hit(ctx, manifest, built_with)
         return None
 
-    def _lower(self, ctx: _Ctx, held: contextlib.ExitStack, identity: dict[str, str]):
+    def _lower(self, ctx: UnitContext, held: contextlib.ExitStack, identity: dict[str, str]):
         problem = ctx.backend.host_problem(ctx.unit.target)
         if problem:
             raise UnitFailed(problem, retryable=True)
-        claim = _claim(ctx.unit, ctx.store, ctx.result.key, ctx.log, ctx.phase)
+        claim = claim_key(ctx.unit, ctx.store, ctx.result.key, ctx.log, ctx.phase)
         if not isinstance(claim, Lease):
             return None, {}, claim  # another job published it while we waited
         held.enter_context(claim)
-        _identify(ctx, expect=identity)
+        identify_program(ctx, expect=identity)
         ctx.step("gang_stand_in", rank=self.comm.rank, world_size=self.gang.world_size)
         try:
             artifact, facts = lower_unit(ctx)
@@ -328,7 +328,7 @@ class _Lockstep:
             ctx.identified = None
         return artifact, facts, None
 
-    def _verify_together(self, ctx: _Ctx, artifact: Path) -> list[str]:
+    def _verify_together(self, ctx: UnitContext, artifact: Path) -> list[str]:
         """Verify, then benchmark, every rank's artifact at once in the sandboxes' process group.
 
         AOTInductor's compiled functional collectives on gloo (torch 2.13) now and then never
@@ -345,7 +345,7 @@ class _Lockstep:
                                      f"if the rank graphs take longer to run)") from None
         raise AssertionError("unreachable")
 
-    def _check_together(self, ctx: _Ctx, artifact: Path) -> list[str]:
+    def _check_together(self, ctx: UnitContext, artifact: Path) -> list[str]:
         comm, timeout = self.comm, self.gang.collective_timeout_s
         unit_deadline = ctx.deadline
         try:
@@ -353,14 +353,15 @@ class _Lockstep:
             host, port = comm.all_gather([self.host, port], "sandbox group address")[0]
             ctx.step("gang_join", host=host, port=port, rank=comm.rank, world_size=self.gang.world_size,
                      timeout_s=timeout, on=self.gang.device)
-            _identify(ctx)  # the fresh child has not loaded the program yet
+            identify_program(ctx)  # the fresh child has not loaded the program yet
             checked = []
             for what in ("verify", "benchmark"):
                 problem = None
                 ctx.deadline = min(unit_deadline, time.monotonic() + timeout)
                 with ctx.phase(what):
                     try:
-                        checked = _check(ctx, artifact, verify_it=what == "verify", bench_it=what == "benchmark") or checked
+                        checked = check_artifact(ctx, artifact, verify_it=what == "verify",
+                                                 bench_it=what == "benchmark") or checked
                     except UnitFailed as e:
                         problem = str(e)
                 ctx.deadline = unit_deadline

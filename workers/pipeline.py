@@ -70,7 +70,7 @@ class _Miss(Exception):
 
 
 @dataclass
-class _Ctx:
+class UnitContext:
     """What every stage of one unit needs."""
     unit: Unit
     store: Store
@@ -123,7 +123,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
     with contextlib.ExitStack() as held:
         tmp = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir)))
         sandbox = sandbox or held.enter_context(Sandbox())
-        ctx = _Ctx(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
+        ctx = UnitContext(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
         try:
             with log.capture():  # ends before publishing, so the published log is complete
                 ready = (body or _compile)(ctx, held, hits_only)
@@ -164,10 +164,10 @@ class Compiled:
     built_with: str  # digest of the weight values the artifact was built and verified with
 
 
-Body = Callable[[_Ctx, contextlib.ExitStack, bool], "Compiled | None"]
+Body = Callable[[UnitContext, contextlib.ExitStack, bool], "Compiled | None"]
 
 
-def unit_key(ctx: _Ctx) -> tuple[dict[str, str], str]:
+def unit_key(ctx: UnitContext) -> tuple[dict[str, str], str]:
     """Name the program (from the store, or by loading it in the sandbox) and compute the unit's
     key into the result; returns the identity and the weights the program carries."""
     unit, store, result, log = ctx.unit, ctx.store, ctx.result, ctx.log
@@ -178,10 +178,10 @@ def unit_key(ctx: _Ctx) -> tuple[dict[str, str], str]:
     variant = identity_variant(unit.target.weights, unit.specialize, unit.agreed)
     known = get_identity(store, unit.program.digest, variant)
     if known is not None:  # this archive was loaded by a sandbox before: a plain hit needs no sandbox
-        identity, built_with = _identity(known)
+        identity, built_with = parse_identity(known)
         log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
     else:
-        identity, built_with = _identify(ctx)
+        identity, built_with = identify_program(ctx)
         put_identity(store, unit.program.digest, variant, {"identity": identity, "built_with": built_with})
     with ctx.phase("load"):
         result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict,
@@ -191,14 +191,14 @@ def unit_key(ctx: _Ctx) -> tuple[dict[str, str], str]:
     return identity, built_with
 
 
-def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
+def _compile(ctx: UnitContext, held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
     unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
     identity, built_with = unit_key(ctx)
 
     manifest = store.get_manifest(result.key)
     if manifest is not None:
         log.note("hit: a manifest exists, nothing to compile")
-        _hit(ctx, manifest, built_with)
+        take_hit(ctx, manifest, built_with)
         return None
     if hits_only:
         raise _Miss
@@ -207,23 +207,23 @@ def _compile(ctx: _Ctx, held: contextlib.ExitStack, hits_only: bool = False) -> 
     if problem:
         raise UnitFailed(problem, retryable=True)
 
-    claim = _claim(unit, store, result.key, log, phase)
+    claim = claim_key(unit, store, result.key, log, phase)
     if not isinstance(claim, Lease):
         log.note("hit: another worker compiled this key while we waited")
-        _hit(ctx, claim, built_with)
+        take_hit(ctx, claim, built_with)
         return None
     held.enter_context(claim)  # renewed while we compile and publish, released after
 
-    _identify(ctx, expect=identity)
+    identify_program(ctx, expect=identity)
     artifact, facts = lower_unit(ctx)
     with phase("verify"):
-        checked = _check(ctx, artifact, verify_it=True, bench_it=False)
+        checked = check_artifact(ctx, artifact, verify_it=True, bench_it=False)
     with phase("benchmark"):
-        _check(ctx, artifact, verify_it=False, bench_it=True)
+        check_artifact(ctx, artifact, verify_it=False, bench_it=True)
     return Compiled(artifact, result.components, facts, checked, built_with)
 
 
-def lower_unit(ctx: _Ctx) -> tuple[Path, dict[str, Any]]:
+def lower_unit(ctx: UnitContext) -> tuple[Path, dict[str, Any]]:
     """Lower the loaded program in the sandbox (sharing autotune timings with the farm); the
     artifact and what the backend says about it."""
     unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
@@ -248,21 +248,21 @@ def lower_unit(ctx: _Ctx) -> tuple[Path, dict[str, Any]]:
     return artifact, _plain(facts)
 
 
-def _identify(ctx: _Ctx, expect: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+def identify_program(ctx: UnitContext, expect: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
     """Fetch the program and load it in the sandbox, which names its content. Steps that need
     the program (lower, check) call it first; it loads the program once per unit."""
     if ctx.identified is None:
         with ctx.phase("fetch"):
             program_path = ctx.store.fetch(ctx.unit.program.digest, ctx.tmp / "program.pt2")
         with ctx.phase("load"):
-            ctx.identified = _identity(ctx.step("identify", program=str(program_path)))
+            ctx.identified = parse_identity(ctx.step("identify", program=str(program_path)))
     if expect is not None and ctx.identified[0] != expect:
         raise UnitFailed(f"the program's identity recorded in the store for archive {ctx.unit.program.digest} is not "
                          f"what loading it gives now; remove programs/{ctx.unit.program.digest}/ from the store")
     return ctx.identified
 
 
-def _identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
+def parse_identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
     """The identity in a sandbox's answer or a stored identity document, if it is well formed."""
     identity = reply.get("identity")
     if not isinstance(identity, dict) or not all(DIGEST.fullmatch(str(identity.get(k))) for k in ("program", "graph", "weights")):
@@ -273,7 +273,7 @@ def _identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
     return {k: str(identity[k]) for k in ("program", "graph", "weights", "weights_mode")}, built_with
 
 
-def _check(ctx: _Ctx, artifact: Path, verify_it: bool, bench_it: bool) -> list[str]:
+def check_artifact(ctx: UnitContext, artifact: Path, verify_it: bool, bench_it: bool) -> list[str]:
     """Verify and/or benchmark an artifact in the sandbox; numbers land in the result."""
     reply = ctx.step("check", artifact=str(artifact), verify_it=verify_it, bench_it=bench_it)
     metrics = reply.get("metrics") if isinstance(reply.get("metrics"), dict) else {}
@@ -299,7 +299,7 @@ def _plain(facts: dict[str, Any]) -> dict[str, Any]:
     return facts
 
 
-def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> Lease | dict[str, Any]:
+def claim_key(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> Lease | dict[str, Any]:
     """The lease on key (we compile), or the manifest another worker published while we waited."""
     leases = Leases(store.backend, f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}", unit.lease_ttl_s)
     holders: list[str] = []
@@ -319,7 +319,7 @@ def _claim(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> L
     return claim
 
 
-def _hit(ctx: _Ctx, manifest: dict[str, Any], built_with: str) -> None:
+def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str) -> None:
     """A manifest exists. With `weights: shapes` and another checkpoint's weights, show that the
     artifact runs with ours and matches our program run eagerly before calling it a hit. An
     autotune candidate takes latencies measured since publishing, and measures the stored
@@ -343,20 +343,20 @@ def _hit(ctx: _Ctx, manifest: dict[str, Any], built_with: str) -> None:
     remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
     if not swap and not remeasure:
         return
-    _identify(ctx, expect={k: v for k, v in result.components["program"].items()})
+    identify_program(ctx, expect={k: v for k, v in result.components["program"].items()})
     artifact = store.fetch(result.artifact.digest, ctx.tmp / "artifact")
     if swap:
         log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})")
         with ctx.phase("verify"):
             try:
-                _check(ctx, artifact, verify_it=True, bench_it=False)
+                check_artifact(ctx, artifact, verify_it=True, bench_it=False)
             except UnitFailed as e:
                 raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: {e}. "
                                  f"Report it: the key should have told them apart") from None
         result.metrics.update(weights_swapped=1.0)
     if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
         with ctx.phase("benchmark"):
-            _check(ctx, artifact, verify_it=False, bench_it=True)
+            check_artifact(ctx, artifact, verify_it=False, bench_it=True)
         put_measurements(store, result.key, device, {k: v for k, v in result.metrics.items() if "_ms" in k})
 
 
