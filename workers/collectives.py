@@ -25,6 +25,12 @@ class CollectiveOp:
     shapes: tuple[tuple[str, ...], ...]  # of the tensor inputs, symbolic sizes as their expressions
     dtypes: tuple[str, ...]
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "CollectiveOp":
+        """Back from `dataclasses.asdict` after a trip through JSON (lists become tuples again)."""
+        return cls(op=d["op"], group=d["group"], args=tuple(d["args"]), shapes=tuple(map(tuple, d["shapes"])),
+                   dtypes=tuple(d["dtypes"]))
+
     def describe(self) -> str:
         tensors = ", ".join(f"{d}[{', '.join(s)}]" for s, d in zip(self.shapes, self.dtypes))
         return f"{self.op}({tensors}; {', '.join(self.args)}) on group {self.group!r}"

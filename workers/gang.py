@@ -108,17 +108,17 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     rank = comm.rank
     unit = gang.ranks[rank]
     try:
-        unit, shared = _agree(comm, gang, unit, store, sandbox, workdir)
+        unit, has_collectives = _agree(comm, gang, unit, store, sandbox, workdir)
         leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox), "fingerprints"))
 
         def compile_as(unit: Unit) -> UnitResult:
-            if shared["collectives"]:
+            if has_collectives:
                 return _Lockstep(comm, gang, leaders, host).run(unit, store, sandbox)
             return _each_alone(comm, gang, unit, leaders, store, sandbox)
 
         tuned: dict[str, Any] = {}
         if gang.candidates:
-            unit, tuned = _tune(comm, gang, unit, compile_as, split=not shared["collectives"], store=store,
+            unit, tuned = _tune(comm, gang, unit, compile_as, split=not has_collectives, store=store,
                                 sandbox=sandbox)
         result = compile_as(unit)
         if tuned:
@@ -173,8 +173,9 @@ def _tune(comm: GangComm, gang: Gang, unit: Unit, compile_as: Callable[[Unit], U
     return as_candidate(winner), {**metrics, "autotune_compiled_here": float(compiled_here)}
 
 
-def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, dict]:
-    """Collectives 1 and 2: what the ranks' graphs say, compared identically on every rank."""
+def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, bool]:
+    """Collectives 1 and 2: what the ranks' graphs say, compared identically on every rank. Returns this
+    rank's unit as agreed, and whether any rank's graph issues collectives."""
     facts, error = None, None
     if unit.program is None:
         error = unit.ingest_error or f"{unit.source} could not be read"
@@ -194,8 +195,7 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
     if broken:
         raise GangFailed("ranks that cannot take part, so the gang does not compile: " + "; ".join(broken))
     facts_of = [e["facts"] for e in everyone]
-    collectives = [[CollectiveOp(**{k: tuple(map(tuple, v)) if k == "shapes" else tuple(v) if isinstance(v, list) else v
-                                     for k, v in op.items()}) for op in f["collectives"]] for f in facts_of]
+    collectives = [[CollectiveOp.from_dict(op) for op in f["collectives"]] for f in facts_of]
     divergence = first_divergence(collectives)
     if divergence:
         raise GangFailed(f"{divergence}; at run time they would hang in that collective, so nothing was compiled")
@@ -218,7 +218,7 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
                 observed.setdefault(w, set()).update(seen)
         marks = tuple(sorted(w for w, seen in observed.items() if len(seen) > 1))
         unit = replace(unit, target=replace(unit.target, mark_dynamic=marks))
-    return unit, {"collectives": any(f["collectives"] for f in facts_of)}
+    return unit, any(f["collectives"] for f in facts_of)
 
 
 def _fingerprint(unit: Unit, store: Store, sandbox: Sandbox) -> dict[str, Any]:
