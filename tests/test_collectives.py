@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.export import Dim
 
-from workers.collectives import collective_ops, dim_ranges, first_divergence, reconcile_dims
+from workers.collectives import collective_ops, dim_ranges, first_divergence, reconcile_dims, regroup
 
 
 class RowParallel(torch.nn.Module):
@@ -45,6 +45,17 @@ def test_a_graphs_functional_collectives_are_listed_in_order(fake_group):
     assert [(o.op, o.group) for o in ops] == [("all_reduce", "0"), ("all_gather_into_tensor", "0")]
     assert ops[0].args == ("reduce_op=sum",) and ops[0].dtypes == ("float32",) and ops[0].shapes[0][1] == "8"
     assert "group_size=2" in ops[1].args
+
+
+def test_the_eager_reference_can_issue_its_collectives_on_a_group_of_its_own(fake_group):
+    ep = _export(RowParallel())
+    other = dist.new_group([0, 1])
+    module = regroup(ep.module(), {"0": other.group_name})
+    groups = [n.args[-1] for n in module.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional"
+              and n.target._schema.arguments[-1].name == "group_name"]
+    assert groups == [other.group_name] * 2 and other.group_name != "0"
+    assert module(torch.randn(4, 8)).shape == (8, 8)  # runs over that group (fake: nothing is sent)
+    assert [o.group for o in collective_ops(ep)] == ["0", "0"]  # the program itself is untouched
 
 
 def test_identical_ranks_agree_and_an_extra_all_reduce_is_named(fake_group):

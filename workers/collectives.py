@@ -44,6 +44,23 @@ def _tensors(value: object) -> list[torch.fx.Node]:
     return []
 
 
+def regroup(module: torch.fx.GraphModule, groups: dict[str, str]) -> torch.fx.GraphModule:
+    """The module with its functional collectives issued on other groups (old name → new name)."""
+    for node in module.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != FUNCTIONAL:
+            continue
+        for i, spec in enumerate(target._schema.arguments):
+            if spec.name != "group_name":
+                continue
+            if i < len(node.args) and node.args[i] in groups:
+                node.args = node.args[:i] + (groups[node.args[i]],) + node.args[i + 1:]
+            elif node.kwargs.get("group_name") in groups:
+                node.kwargs = {**node.kwargs, "group_name": groups[node.kwargs["group_name"]]}
+    module.recompile()
+    return module
+
+
 def collective_ops(ep: ExportedProgram) -> list[CollectiveOp]:
     """The functional collectives the graph issues, in graph order."""
     ops = []

@@ -4,8 +4,9 @@ collectives (real torch.distributed calls among the gang's actors, `GangComm`).
 Every rank runs `run_rank` at the same time, in its own gang actor, and makes the same calls in
 the same order, so each collective meets all ranks:
 
-1. *facts*: each rank loads its program in its sandbox; the ranks all-gather what their graphs
-   say: errors, the functional collectives in order, dynamic dimensions with their ranges, the
+1. *facts*: each rank loads its program in its sandbox (ranks whose archives have the same
+   bytes as a lower rank's leave it to that rank, `Gang.reader_of`, and start their sandbox
+   only if they verify); the ranks all-gather what their graphs say: errors, the functional collectives in order, dynamic dimensions with their ranges, the
    example sizes, the sizes a torch.compile lowering observes. Every rank then runs the same
    comparisons (workers/collectives.py) on the same data, so all reach the same verdict: a
    rank that cannot take part, collectives that diverge, or ranges that conflict fail the gang
@@ -58,12 +59,6 @@ class GangComm:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         dist.init_process_group("gloo", store=dist.PrefixStore("compiler", store), rank=rank, world_size=world_size,
                                 timeout=dt.timedelta(seconds=timeout_s))
-
-    @staticmethod
-    def open_store(host: str, port: int, rank: int, timeout_s: float) -> dist.TCPStore:
-        """Rank 0 hosts the store (port 0: a free one, read back from `.port`); the others connect."""
-        return dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
-                             timeout=dt.timedelta(seconds=timeout_s))
 
     def all_gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's JSON-able value, in rank order: bytes in a tensor, never a pickle."""
@@ -179,7 +174,7 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
     facts, error = None, None
     if unit.program is None:
         error = unit.ingest_error or f"{unit.source} could not be read"
-    else:
+    elif gang.reader_of(comm.rank) == comm.rank:
         try:
             program = store.fetch(unit.program.digest, workdir / "program.pt2")
             reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
@@ -190,7 +185,8 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
                          {"identity": identity, "built_with": built_with})
         except (SandboxFailed, UnitFailed, OSError) as e:
             error = str(e)
-    everyone = comm.all_gather({"error": error, "facts": facts}, "facts")
+    gathered = comm.all_gather({"error": error, "facts": facts}, "facts")
+    everyone = [gathered[gang.reader_of(r)] for r in range(gang.world_size)]
     broken = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"] or not isinstance(e["facts"], dict)]
     if broken:
         raise GangFailed("ranks that cannot take part, so the gang does not compile: " + "; ".join(broken))
@@ -218,7 +214,10 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
                 observed.setdefault(w, set()).update(seen)
         marks = tuple(sorted(w for w, seen in observed.items() if len(seen) > 1))
         unit = replace(unit, target=replace(unit.target, mark_dynamic=marks))
-    return unit, any(f["collectives"] for f in facts_of)
+    has_collectives = any(f["collectives"] for f in facts_of)
+    if has_collectives:  # every rank verifies in its sandbox: a rank that read nothing starts it now
+        sandbox.prestart(unit.limits, gang.device)
+    return unit, has_collectives
 
 
 def _fingerprint(unit: Unit, store: Store, sandbox: Sandbox) -> dict[str, Any]:
@@ -331,10 +330,13 @@ class _Lockstep:
     def _verify_together(self, ctx: UnitContext, artifact: Path) -> list[str]:
         """Verify, then benchmark, every rank's artifact at once in the sandboxes' process group.
 
-        AOTInductor's compiled functional collectives on gloo (torch 2.13) now and then never
-        return from a wait whose collective the other ranks finished; no gloo timeout ends it.
-        So each step here has the collective timeout as its limit, and a gang whose step got
-        stuck on any rank tries once more with fresh sandboxes before it fails."""
+        A running AOTInductor model holds the GIL while it waits on a collective, and gloo's
+        worker thread, dropping a finished work under its queue lock, may need the GIL for a
+        tensor Python has seen: then neither moves and no gloo timeout ends it (torch 2.13).
+        The eager reference's collectives therefore go over a group of their own
+        (GangSteps.eager_reference); and each step here still has the collective timeout as
+        its limit, and a gang whose step got stuck on any rank tries once more with fresh
+        sandboxes before it fails."""
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 return self._check_together(ctx, artifact)

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import ipaddress
-import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.export import ExportedProgram
 
-from workers.collectives import collective_ops, dim_ranges
+from workers.collectives import collective_ops, dim_ranges, regroup
 from workers.inputs import input_sets
+from workers.rendezvous import open_store
 from workers.unit import Unit
 
 
@@ -38,23 +36,20 @@ def gang_facts(ep: ExportedProgram) -> dict[str, Any]:
             "observed": {w: sorted(s) for w, s in observed.items()}}
 
 
-def open_store(host: str, port: int, host_it: bool, timeout_s: float) -> dist.TCPStore:
-    """A gang's store. Its host listens on `host` only (torch's own listener takes every
-    interface), on a free port read back from `.port`; the others connect to it."""
-    timeout = dt.timedelta(seconds=timeout_s)
-    if ipaddress.ip_address(host).is_loopback:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on loopback too
-    if not host_it:
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    listener = socket.create_server((host, 0), backlog=1024)
-    port = listener.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                         master_listen_fd=listener.detach())  # the store owns the socket from here
-
-
 class GangSteps:
     """Mixed into workers.steps.Steps."""
     _gang_store: Any = None
+    _reference_group: Any = None
+
+    def eager_reference(self, ep: ExportedProgram) -> torch.fx.GraphModule:
+        """The program to run eagerly against an artifact. In a gang it issues its collectives on a
+        group of its own (the same ranks): gloo's worker thread drops a finished work under its
+        queue lock, and dropping an eager tensor needs the GIL, which a running AOTInductor model
+        holds while it waits on that queue; sharing WORLD hung verification (torch 2.13)."""
+        module = ep.module()
+        if self._reference_group is None:
+            return module
+        return regroup(module, {dist.group.WORLD.group_name: self._reference_group.group_name})
 
     def gang_host(self, unit: Unit, host: str, timeout_s: float) -> dict[str, Any]:
         """Rank 0: host the store the gang's sandboxes meet through, on a free port."""
@@ -73,7 +68,8 @@ class GangSteps:
             torch.cuda.set_device(0)  # the one GPU this sandbox sees
         dist.init_process_group("nccl" if on == "cuda" else "gloo", store=self._gang_store, rank=rank,
                                 world_size=world_size, timeout=timeout)
-        return {"group": dist.group.WORLD.group_name}
+        self._reference_group = dist.new_group(list(range(world_size)), timeout=timeout)
+        return {"group": dist.group.WORLD.group_name, "reference_group": self._reference_group.group_name}
 
     def gang_stand_in(self, unit: Unit, rank: int, world_size: int) -> dict[str, Any]:
         """Lowering a graph with collectives resolves its group by name ("0"), but the other ranks

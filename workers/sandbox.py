@@ -21,6 +21,7 @@ request that we read back even after a crash.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -66,15 +67,24 @@ def child_env(home: Path) -> dict[str, str]:
     env.update(HOME=str(home), PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
     # Inductor's caches (and its precompiled header) stay where the worker's are, so a warm
     # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
     return env
 
 
 def _inductor_cache_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return cache_dir()
+    """Inductor's cache directory, named by Inductor's own torch-free module, loaded from its file:
+    importing it by name imports Inductor's package and with it Dynamo, over a second of CPU in
+    every worker before its sandbox could start."""
+    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
+        return sys.modules["torch._inductor.runtime.cache_dir_utils"].cache_dir()
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    spec = importlib.util.spec_from_file_location("_farm_inductor_cache_dir_utils",
+                                                  torch_dir / "_inductor" / "runtime" / "cache_dir_utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cache_dir()
 
 
 @dataclass

@@ -136,7 +136,7 @@ class Steps(GangSteps):
         except ValueError as e:
             raise StepFailed(str(e)) from e
         if verify_it:
-            report = verify(ep.module(), compiled, sets, unit.verify.atol, unit.verify.rtol)
+            report = verify(self.eager_reference(ep), compiled, sets, unit.verify.atol, unit.verify.rtol)
             print(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, "
                   f"max rel {report.max_rel_err:.3g}")
             out["metrics"].update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
@@ -161,7 +161,7 @@ class Steps(GangSteps):
         return compiled
 
     def _benchmark(self, unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any, device: str) -> dict[str, float]:
-        eager = measure(ep.module(), inputs, unit.bench.warmup, unit.bench.repeat, device)
+        eager = measure(self.eager_reference(ep), inputs, unit.bench.warmup, unit.bench.repeat, device)
         fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat, device)
         metrics = dict(eager_ms=eager.median_ms, compiled_ms=fast.median_ms, compiled_spread_ms=fast.spread_ms,
                        speedup=eager.median_ms / fast.median_ms)

@@ -112,6 +112,14 @@ class Gang:
     def label(self) -> str:
         return f"{self.name}@{self.ranks[0].target.label}"
 
+    def reader_of(self, rank: int) -> int:
+        """The rank that loads rank `rank`'s archive: the lowest rank whose archive has the same
+        bytes (what a graph says follows from its bytes, so identical archives are read once)."""
+        program = self.ranks[rank].program
+        if program is None:
+            return rank
+        return next(r for r, u in enumerate(self.ranks) if u.program is not None and u.program.digest == program.digest)
+
 
 @dataclass
 class UnitResult:

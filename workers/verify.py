@@ -47,8 +47,8 @@ def _compare(eager: Any, compiled: Any, atol: float, rtol: float, label: str, re
 def verify(eager: Callable, compiled: Callable, inputs: list[InputSet], atol: float, rtol: float) -> VerifyReport:
     report = VerifyReport(ok=True, max_abs_err=0.0, max_rel_err=0.0)
     with torch.inference_mode():
-        # Every eager run first, then every compiled one: in a gang, alternating eager and AOTInductor
-        # functional collectives call by call hung gloo in torch 2.13 (one long run of each did not).
+        # Every eager run first, then every compiled one (in a gang, the eager runs' collectives
+        # also go over a group of their own: workers/gang_steps.py, GangSteps.eager_reference).
         expected = [eager(*s.args, **s.kwargs) for s in inputs]
         for s, want in zip(inputs, expected):
             try:

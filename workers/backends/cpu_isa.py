@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch._inductor import cpu_vec_isa
 from torch.export import ExportedProgram
 
 from workers.backends import cxx
@@ -41,13 +40,22 @@ ISAS = {
 DEFAULT_ISA = "avx2"
 
 
+def _cpu_vec_isa():
+    """Inductor's module, imported when first needed: importing Inductor imports Dynamo (over a
+    second of CPU), which a worker naming keys, or a gang rank waiting on another, never needs."""
+    from torch._inductor import cpu_vec_isa
+
+    return cpu_vec_isa
+
+
 def host_vec_isas() -> set[str]:
-    return {str(i) for i in cpu_vec_isa.valid_vec_isa_list()}
+    return {str(i) for i in _cpu_vec_isa().valid_vec_isa_list()}
 
 
 @contextlib.contextmanager
 def only_vec_isa(name: str) -> Iterator[None]:
     """Make Inductor see exactly one vector ISA while it compiles (one compile per process)."""
+    cpu_vec_isa = _cpu_vec_isa()
     original = cpu_vec_isa.valid_vec_isa_list
     chosen = [i for i in original() if str(i) == name]
     cpu_vec_isa.valid_vec_isa_list = lambda: chosen  # type: ignore[assignment]

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from typing import Any
 
 LIBSTDCXX = re.compile(r"libstdc\+\+\.so\.6\.0\.(\d+)$")
@@ -31,12 +32,19 @@ def _run(cmd: list[str]) -> str:
 def compiler() -> dict[str, Any]:
     """Inductor's C++ compiler (its `cpp.cxx`, from $CXX when set) and its version: part of every
     key whose artifact it builds."""
-    from torch._inductor import config
-
-    cxx = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) else str(config.cpp.cxx)
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:  # importing Inductor imports Dynamo (1.5 s of CPU in every worker and gang rank)
+        cxx = default_cxx()
+    else:  # this process may have set it
+        cxx = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) else str(config.cpp.cxx)
     path = shutil.which(cxx)
     version = _run([path, "--version"]).splitlines()[0] if path else "not found"
     return {"cxx": cxx, "cxx_version": version or "unknown"}
+
+
+def default_cxx() -> str:
+    """Inductor's `config.cpp.cxx` as that config sets it (tests/test_keys... checks they agree)."""
+    return os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
 
 
 def _minor(path: str) -> int | None:

@@ -21,7 +21,6 @@ from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError
-from workers.inputs import input_sets
 from workers.unit import Target
 
 
@@ -59,6 +58,8 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         from torch.compiler._cache import CacheArtifactManager
+
+        from workers.inputs import input_sets  # sympy: imported where programs are lowered, not where keys are named
 
         torch._dynamo.reset()  # a long-lived worker: forget what earlier units compiled
         CacheArtifactManager.clear()  # …and what they recorded, so the bundle holds this unit only
