@@ -83,13 +83,13 @@ class GangMember:
 
     def run(self, gang: Gang, address: tuple[str, int]) -> UnitResult:
         timeout = gang.collective_timeout_s
-
-        def join() -> GangComm:
-            store = self.rendezvous or open_store(address[0], address[1], False, timeout)
-            return GangComm(store, self.rank, gang.world_size, timeout)
-
-        with tempfile.TemporaryDirectory(prefix="farm-gang-") as tmp:
-            result = run_rank(join, gang, self.rank, self.store, self.sandbox, self.host, Path(tmp))
+        store = self.rendezvous or open_store(address[0], address[1], False, timeout)
+        comm = GangComm(store, self.rank, gang.world_size, timeout)
+        try:
+            with tempfile.TemporaryDirectory(prefix="farm-gang-") as tmp:
+                result = run_rank(comm, gang, self.store, self.sandbox, self.host, Path(tmp))
+        finally:
+            comm.close()
         result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
 

@@ -4,15 +4,13 @@ collectives (real torch.distributed calls among the gang's actors, `GangComm`).
 Every rank runs `run_rank` at the same time, in its own gang actor, and makes the same calls in
 the same order, so each collective meets all ranks:
 
-1. *facts*: each rank loads its program in its sandbox, before it joins the gang's process
-   group, so the loads overlap the other ranks' start (ranks whose archives have the same
+1. *facts*: each rank loads its program in its sandbox (ranks whose archives have the same
    bytes as a lower rank's leave it to that rank, `Gang.reader_of`, and start their sandbox
-   only if they verify); the ranks all-gather what their graphs say: errors, the functional
-   collectives in order, dynamic dimensions with their ranges, the example sizes, the sizes a
-   torch.compile lowering observes. Every rank then runs the same comparisons
-   (workers/collectives.py) on the same data, so all reach the same verdict: a rank that
-   cannot take part, collectives that diverge, or ranges that conflict fail the gang before
-   anything compiles, with the report naming ranks.
+   only if they verify); the ranks all-gather what their graphs say: errors, the functional collectives in order, dynamic dimensions with their ranges, the
+   example sizes, the sizes a torch.compile lowering observes. Every rank then runs the same
+   comparisons (workers/collectives.py) on the same data, so all reach the same verdict: a
+   rank that cannot take part, collectives that diverge, or ranges that conflict fail the gang
+   before anything compiles, with the report naming ranks.
 2. *agreement*: ranks whose dynamic dimensions or example sizes differ from the agreed ones
    re-export their program with them; `inductor-cache` ranks mark the same dimensions dynamic.
 3. *fingerprints*: the ranks all-gather their program identities; ranks with identical programs
@@ -100,29 +98,12 @@ def _failed(unit: Unit, gang: Gang, message: str) -> UnitResult:
     return UnitResult(unit.graph, unit.target.label, "failed", error=f"gang {gang.label}: {message}")
 
 
-def run_rank(join: Callable[[], GangComm], gang: Gang, rank: int, store: Store, sandbox: Sandbox, host: str,
-             workdir: Path) -> UnitResult:
-    """This rank's part of compiling the gang; every rank of the gang calls it at once. The rank
-    reads its program before it joins the gang's process group (`join`), so that load overlaps
-    the other ranks' start."""
-    unit = gang.ranks[rank]
-    mine = _read(gang, rank, store, sandbox, workdir)
-    try:
-        comm = join()
-    except RuntimeError as e:  # DistStoreError, or gloo's connect: a rank never came
-        return _failed(unit, gang, f"rank {rank} could not form the gang's process group "
-                                   f"({str(e).strip().splitlines()[0][:300]})")
-    try:
-        return _run_rank(comm, gang, unit, mine, store, sandbox, host)
-    finally:
-        comm.close()
-
-
-def _run_rank(comm: GangComm, gang: Gang, unit: Unit, mine: dict[str, Any], store: Store, sandbox: Sandbox,
-              host: str) -> UnitResult:
+def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: str, workdir: Path) -> UnitResult:
+    """This rank's part of compiling the gang; every rank of the gang calls it at once."""
     rank = comm.rank
+    unit = gang.ranks[rank]
     try:
-        unit, has_collectives = _agree(comm, gang, unit, mine, sandbox)
+        unit, has_collectives = _agree(comm, gang, unit, store, sandbox, workdir)
         leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox), "fingerprints"))
 
         def compile_as(unit: Unit) -> UnitResult:
@@ -187,13 +168,13 @@ def _tune(comm: GangComm, gang: Gang, unit: Unit, compile_as: Callable[[Unit], U
     return as_candidate(winner), {**metrics, "autotune_compiled_here": float(compiled_here)}
 
 
-def _read(gang: Gang, rank: int, store: Store, sandbox: Sandbox, workdir: Path) -> dict[str, Any]:
-    """What this rank's graph says (its sandbox loads it), or why it cannot say; nothing for a
-    rank whose archive a lower rank reads (Gang.reader_of)."""
-    unit, facts, error = gang.ranks[rank], None, None
+def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, bool]:
+    """Collectives 1 and 2: what the ranks' graphs say, compared identically on every rank. Returns this
+    rank's unit as agreed, and whether any rank's graph issues collectives."""
+    facts, error = None, None
     if unit.program is None:
         error = unit.ingest_error or f"{unit.source} could not be read"
-    elif gang.reader_of(rank) == rank:
+    elif gang.reader_of(comm.rank) == comm.rank:
         try:
             program = store.fetch(unit.program.digest, workdir / "program.pt2")
             reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
@@ -204,13 +185,7 @@ def _read(gang: Gang, rank: int, store: Store, sandbox: Sandbox, workdir: Path) 
                          {"identity": identity, "built_with": built_with})
         except (SandboxFailed, UnitFailed, OSError) as e:
             error = str(e)
-    return {"error": error, "facts": facts}
-
-
-def _agree(comm: GangComm, gang: Gang, unit: Unit, mine: dict[str, Any], sandbox: Sandbox) -> tuple[Unit, bool]:
-    """Collectives 1 and 2: what the ranks' graphs say, compared identically on every rank. Returns this
-    rank's unit as agreed, and whether any rank's graph issues collectives."""
-    gathered = comm.all_gather(mine, "facts")
+    gathered = comm.all_gather({"error": error, "facts": facts}, "facts")
     everyone = [gathered[gang.reader_of(r)] for r in range(gang.world_size)]
     broken = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"] or not isinstance(e["facts"], dict)]
     if broken:
@@ -224,12 +199,12 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, mine: dict[str, Any], sandbox
     agreed, conflicts = reconcile_dims(ranges, [f["examples"] for f in facts_of])
     if conflicts:
         raise GangFailed("the ranks' dynamic shapes conflict: " + "; ".join(conflicts))
-    own = facts_of[comm.rank]
+    mine = facts_of[comm.rank]
     # One example size per agreed dimension (rank 0's, inside the agreed range) makes every rank
     # check its artifact at the same sizes, which collectives over the ranks' tensors need.
     sizes = {w: min(max(facts_of[0]["examples"][w], lo), hi if hi is not None else 1 << 62)
              for w, (lo, hi) in agreed.items() if w in facts_of[0]["examples"]}
-    if ranges[comm.rank] != agreed or any(own["examples"].get(w) != n for w, n in sizes.items()):
+    if ranges[comm.rank] != agreed or any(mine["examples"].get(w) != n for w, n in sizes.items()):
         unit = replace(unit, agreed_dims=tuple((w, lo, hi) for w, (lo, hi) in sorted(agreed.items())),
                        agreed_sizes=tuple(sorted(sizes.items())))
     if unit.target.backend == "inductor-cache":

@@ -43,7 +43,7 @@ def compiler() -> dict[str, Any]:
 
 
 def default_cxx() -> str:
-    """Inductor's `config.cpp.cxx` as that config sets it (tests/test_worker_start.py checks they agree)."""
+    """Inductor's `config.cpp.cxx` as that config sets it (tests/test_keys... checks they agree)."""
     return os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
 
 
