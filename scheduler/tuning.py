@@ -23,9 +23,7 @@ from workers.unit import Unit, UnitResult
 
 
 def _measured(unit: Unit, r: UnitResult) -> Measured:
-    return Measured(unit.target.candidate, r.status, r.key, r.error, r.metrics.get("compiled_ms"),
-                    r.metrics.get("compiled_spread_ms"), r.metrics.get("max_abs_err"), r.device,
-                    remeasured=unit.remeasure and "benchmark" in r.timings)
+    return Measured.of(unit.target.candidate, r, remeasured=unit.remeasure and "benchmark" in r.timings)
 
 
 def finish_tuning(done: Iterable[tuple[Unit, UnitResult]], store: Store) -> list[UnitResult]:

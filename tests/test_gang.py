@@ -2,6 +2,7 @@
 placement group, agreeing through compiler collectives over a real gloo process group."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,7 +13,9 @@ from farm.spec import parse_job
 from scheduler.jobs import NoEvents, execute
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri
+from storage.tuning import record_path
 from tests.gang_models import replicas, shards
+from workers.autotune_share import fingerprint_of
 
 pytestmark = pytest.mark.slow
 
@@ -123,14 +126,24 @@ def test_inductor_cache_ranks_mark_the_same_dimensions_dynamic(ray_cluster, tmp_
 
 def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_all(ray_cluster, tmp_path):
     pattern = replicas(tmp_path, 2)
-    target = {"backend": "aoti-cpu", "isa": "avx2", "autotune": {"candidates": ["default", "single_thread"]}}
-    outcome, _ = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 2}], "tune", targets=(target,))
+    broken = {"name": "broken", "options": {"no_such_inductor_setting": 1}}
+    target = {"backend": "aoti-cpu", "isa": "avx2", "autotune": {"candidates": ["default", "single_thread", broken]}}
+    outcome, store = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 2}], "tune", targets=(target,))
     results = outcome.results
     assert len(results) == 2 and all(r.status in ("compiled", "hit") for r in results), [r.error for r in results]
-    assert [r.metrics["autotune_compiled_here"] for r in results] == [1.0, 1.0]  # one candidate each
+    # the leader keeps the tuning record: every candidate's outcome, a failed one with its error
+    record = json.loads(store.backend.read(record_path(results[0].components["program"]["graph"],
+                                                       fingerprint_of(results[0].device))))
+    candidates = {c["name"]: c for c in record["candidates"]}
+    assert list(candidates) == ["default", "single_thread", "broken"]  # in the space's order
+    failed = candidates.pop("broken")
+    assert failed["status"] == "failed" and "no_such_inductor_setting" in failed["error"], failed
+    assert all(c["status"] in ("compiled", "hit") for c in candidates.values()), candidates
+    assert [r.metrics["autotune_compiled_here"] for r in results] == [1.0, 1.0]  # default+broken, single_thread
+    assert record["measured_by_ranks"] == {"default": [0], "single_thread": [1], "broken": [0]}
+    assert record["gang"] == "dpt@aoti-cpu:avx2" and [r.metrics["autotune_failed"] for r in results] == [1.0, 1.0]
     measured = {k: v for k, v in results[0].metrics.items() if k.startswith("autotune_ms[")}
-    assert set(measured) == {"autotune_ms[default]", "autotune_ms[single_thread]"}
+    assert measured == {f"autotune_ms[{n}]": c["median_ms"] for n, c in candidates.items()}
     assert measured == {k: v for k, v in results[1].metrics.items() if k.startswith("autotune_ms[")}
-    winner = min(measured, key=measured.get)[len("autotune_ms["):-1]
-    assert {r.candidate for r in results} == {winner} and {r.target for r in results} == {"aoti-cpu:avx2"}
+    assert {r.candidate for r in results} == {record["winner"]} and {r.target for r in results} == {"aoti-cpu:avx2"}
     assert len({r.artifact.digest for r in results}) == 1

@@ -73,6 +73,13 @@ class Measured:
     device: dict[str, Any] | None = None
     remeasured: bool = False
 
+    @classmethod
+    def of(cls, name: str, result: Any, remeasured: bool = False) -> "Measured":
+        """A candidate's outcome from its unit's result (a workers.unit.UnitResult)."""
+        m = result.metrics
+        return cls(name, result.status, result.key, result.error, m.get("compiled_ms"), m.get("compiled_spread_ms"),
+                   m.get("max_abs_err"), result.device, remeasured)
+
     @property
     def usable(self) -> bool:
         return self.status in ("compiled", "hit") and self.median_ms is not None

@@ -28,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,11 +41,14 @@ from storage import Lease, Store
 from storage.identities import put_identity
 from workers.backends import LoweringError
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
+from workers.gang_tune import GangTuning, NoCandidate, tune
 from workers.keys import identity_variant
 from workers.pipeline import (Compiled, UnitContext, UnitFailed, check_artifact, claim_key, identify_program, lookup_unit,
                               lower_unit, parse_identity, run_unit, take_hit, unit_key)
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import Gang, Unit, UnitResult
+
+log = logging.getLogger(__name__)
 
 
 class GangFailed(Exception):
@@ -111,15 +115,16 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
                 return _Lockstep(comm, gang, leaders, host).run(unit, store, sandbox)
             return _each_alone(comm, gang, unit, leaders, store, sandbox)
 
-        tuned: dict[str, Any] = {}
+        tuning = None
         if gang.candidates:
-            unit, tuned = _tune(comm, gang, unit, compile_as, split=not has_collectives, store=store,
-                                sandbox=sandbox)
+            unit, tuning = tune(comm, gang, unit, compile_as, split=not has_collectives, store=store, sandbox=sandbox)
         result = compile_as(unit)
-        if tuned:
+        if tuning:
             result.target, result.candidate = unit.target.base_label, unit.target.candidate
-            result.metrics.update(tuned)
-    except GangFailed as e:
+            result.metrics.update(tuning.metrics())
+            if leaders[rank] == rank:
+                _keep_record(tuning, result, store)
+    except (GangFailed, NoCandidate) as e:
         return _failed(unit, gang, str(e))
     result.metrics.update(gang_rank=float(rank), gang_world_size=float(gang.world_size),
                           gang_leader=float(leaders[rank]), gang_graphs=float(len(set(leaders))))
@@ -128,44 +133,11 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     return result
 
 
-def _tune(comm: GangComm, gang: Gang, unit: Unit, compile_as: Callable[[Unit], UnitResult], split: bool,
-          store: Store, sandbox: Sandbox) -> tuple[Unit, dict[str, float]]:
-    """Autotune consensus: the candidates' latencies, all-gathered, and one winner for every rank.
-
-    Graphs without collectives split the candidates across the ranks: each compiles, verifies
-    and times its share on its own graph. A graph with collectives runs on every rank or on
-    none, so each candidate is compiled and timed by the whole gang, one after another, and its
-    latency is the slowest rank's."""
-    def as_candidate(name: str) -> Unit:
-        options = dict(gang.candidates)[name]
-        return replace(unit, target=replace(unit.target, candidate=name, options=options))
-
-    def latency(result: UnitResult) -> float | None:
-        return result.metrics.get("compiled_ms") if result.status in ("compiled", "hit") else None
-
-    names = [name for name, _ in gang.candidates]
-    measured: dict[str, float | None] = {}
-    compiled_here = 0
-    if split:
-        mine = {}
-        for name in names[comm.rank::comm.world_size]:
-            result = run_unit(as_candidate(name), store, sandbox)
-            compiled_here += result.status == "compiled"
-            mine[name] = latency(result)
-        for theirs in comm.all_gather(mine, "autotune measurements"):
-            measured.update(theirs)
-    else:
-        for name in names:
-            result = compile_as(as_candidate(name))
-            compiled_here += result.status == "compiled"
-            everyone = comm.all_gather(latency(result), f"autotune measurement of {name}")
-            measured[name] = None if None in everyone else max(everyone)
-    timed = {name: ms for name, ms in measured.items() if ms is not None}
-    if not timed:
-        raise GangFailed(f"no autotune candidate compiled and verified ({', '.join(names)}); see the unit logs")
-    winner = min(timed, key=timed.get)
-    metrics = {f"autotune_ms[{name}]": ms for name, ms in timed.items()}
-    return as_candidate(winner), {**metrics, "autotune_compiled_here": float(compiled_here)}
+def _keep_record(tuning: GangTuning, result: UnitResult, store: Store) -> None:
+    try:
+        tuning.record(result, store)
+    except OSError as e:  # the record is for people and later jobs; losing it must not change the outcome
+        log.warning("gang %s: tuning record not kept: %s", tuning.gang, e)
 
 
 def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, bool]:
