@@ -69,12 +69,13 @@ class GangMember:
     """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
     long as the gang. Rank 0 hosts the store the gang's process group forms through."""
 
-    def __init__(self, store_uri: str, limits: UnitLimits, device: str, rank: int):
+    def __init__(self, store_uri: str, limits: UnitLimits, device: str, rank: int, reads: bool):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
         self.rank, self.host = rank, ray.util.get_node_ip_address()
         self.rendezvous = None
         self.sandbox = Sandbox()
-        self.sandbox.prestart(limits, device)
+        if reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
+            self.sandbox.prestart(limits, device)
 
     def host_store(self, timeout_s: float) -> tuple[str, int]:
         self.rendezvous = open_store(self.host, 0, True, timeout_s)
@@ -317,7 +318,7 @@ class GangRunner:
                 name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote(store_uri, gang.ranks[r].limits, device, r) for r in range(gang.world_size)]
+            ).remote(store_uri, gang.ranks[r].limits, device, r, gang.reader_of(r) == r) for r in range(gang.world_size)]
             for unit in gang.ranks:
                 events.started(unit)
             return self._await(gang, actors)
