@@ -242,7 +242,12 @@ def explain(
         head = f"[bold]{escape(m.graph)}@{escape(m.target)}[/bold] {m.status}" + (f", key {m.key[:16]}…" if m.key else "")
         if m.key is None:
             out.print(f"{head}: failed before it had a key: {escape(m.error or '')}")
-        elif m.closest is None:
+            continue
+        if m.note or m.error:
+            out.print(f"{head}: {escape(m.note or m.error or '')}")
+        if m.status == "hit":
+            continue
+        if m.closest is None:
             out.print(f"{head}: the store holds no other key to compare with; this was a first compile")
         else:
             out.print(f"{head}: closest key {m.closest[:16]}… ({escape(m.closest_label or '')}) differs in:")

@@ -60,11 +60,13 @@ def explain_keys(store: Store, a: str, b: str) -> tuple[str, str, list[Diff]]:
 
 @dataclass
 class Miss:
+    """A unit that did not simply hit: a miss, a failure, or a hit that needed a check (`note`)."""
     graph: str
     target: str
     status: str
     key: str | None
     error: str | None = None
+    note: str | None = None
     closest: str | None = None
     closest_label: str | None = None
     diffs: list[Diff] = field(default_factory=list)
@@ -84,12 +86,12 @@ def explain_job(store: Store, job_id: str) -> list[Miss]:
     known = {k: m for k in store.manifest_keys() if k not in own and (m := _trusted_manifest(store, k)) is not None}
     misses = []
     for e in entries:
-        if e["status"] == "hit":
+        if e["status"] == "hit" and not e.get("note"):
             continue
-        miss = Miss(e["graph"], e["target"], e["status"], e["key"], e.get("error"))
+        miss = Miss(e["graph"], e["target"], e["status"], e["key"], e.get("error"), e.get("note"))
         misses.append(miss)
-        if not e.get("components"):
-            continue  # failed before it had a key: its error is the explanation
+        if e["status"] == "hit" or not e.get("components"):
+            continue  # a hit's note, or the error of a unit that failed before it had a key, is the explanation
         ranked = sorted(((_rank(e["components"], m["components"]), k) for k, m in known.items()),
                         key=lambda r: r[0][:2])
         if ranked:

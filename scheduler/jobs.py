@@ -163,7 +163,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
 
 def _keys(results: list[UnitResult]) -> list[dict[str, Any]]:
     return [{"graph": r.graph, "target": r.target, "status": r.status, "key": r.key, "error": r.error,
-             "components": r.components} for r in results]
+             "note": r.note, "components": r.components} for r in results]
 
 
 def read_keys(store: Store, job_id: str) -> list[dict[str, Any]] | None:

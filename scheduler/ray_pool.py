@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import socket
 import tempfile
 import time
@@ -42,6 +43,9 @@ WORKER_GRACE_S = 60.0
 class PoolConfig:
     workers: int | None = None  # per device class; None: every slot the cluster offers
     retries: int = 2
+    # workers of one device class that die while starting, one after another, before its units
+    # fail with the worker's own error (a bad FARM_CACHE_GB or a broken import never heals)
+    start_attempts: int = 3
 
 
 class CompileWorker:
@@ -215,7 +219,21 @@ class RayRunner:
         wanting = [r for r, q in queues.items() if workers[r] < min(int(self._offered.get(r, 0)), len(q))]
         return min(wanting, key=lambda r: (workers[r] / len(queues[r]), r), default=None)
 
+    def _give_up(self, slot: _Slot, queued, error: str, events) -> Iterator[tuple[Unit, UnitResult]]:
+        """A device class whose workers keep dying while they start: its queued units fail with
+        the worker's error, and its workers that are still starting are stopped."""
+        for other in [s for s in self.slots if s.resource == slot.resource and s.future is None]:
+            ray.kill(other.actor, no_restart=True)
+            self.slots.remove(other)
+        for p in queued:
+            result = _failed(p.unit, f"workers for {slot.resource} died while starting {self.config.start_attempts} "
+                                     f"times in a row; the last said: {error}", retryable=True)
+            result.retries = p.retries
+            events.finished(p.unit, result)
+            yield p.unit, result
+
     def _drive(self, queues, events) -> Iterator[tuple[Unit, UnitResult]]:
+        failed_starts: collections.Counter[str] = collections.Counter()  # per device class, in a row
         while any(queues.values()) or any(s.future is not None for s in self.slots):
             for slot in self.slots:
                 if slot.ready is not None or slot.future is not None:
@@ -231,13 +249,18 @@ class RayRunner:
                 events.started(p.unit)
             waiting = [s.ready for s in self.slots if s.ready is not None] + [s.future for s in self.slots if s.future is not None]
             ready, _ = ray.wait(waiting, num_returns=1, timeout=POLL_S) if waiting else ([], [])
-            for slot in self.slots:
-                if slot.ready is not None and slot.ready in ready:
+            for slot in list(self.slots):
+                if slot in self.slots and slot.ready is not None and slot.ready in ready:  # not given up meanwhile
                     try:
                         ray.get(slot.ready)
                         slot.ready = None
-                    except (ActorDiedError, ActorUnavailableError, RayActorError):
-                        self._restart(slot)  # died while starting: try a fresh one
+                        failed_starts[slot.resource] = 0
+                    except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
+                        failed_starts[slot.resource] += 1
+                        if failed_starts[slot.resource] < self.config.start_attempts:
+                            self._restart(slot)  # died while starting: try a fresh one
+                        else:
+                            yield from self._give_up(slot, queues.pop(slot.resource, ()), _worker_error(e), events)
             now = time.monotonic()
             for slot in self.slots:
                 if slot.future is None:
@@ -365,6 +388,14 @@ def _route(unit: Unit) -> Placement | None:
         return resolve(unit.target).placement(unit.target)
     except LoweringError:
         return None
+
+
+def _worker_error(e: Exception) -> str:
+    """What a worker that died while starting raised (the last `SomeError: ...` line Ray quotes),
+    or Ray's own account of its death."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)]
+    return (raised or lines or [type(e).__name__])[-1][:500]
 
 
 def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:

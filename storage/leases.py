@@ -80,10 +80,17 @@ class Lease:
         return True
 
     def release(self) -> None:
+        """Stop renewing and delete the lease. A failed delete is logged, never raised: what the
+        lease guarded is done (published, or failed), and a lease left behind only makes the
+        next claimant wait ttl_s before it takes over."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        self._leases.backend.delete(_lease_path(self.info.key, self.info.generation))
+        try:
+            self._leases.backend.delete(_lease_path(self.info.key, self.info.generation))
+        except (StoreError, OSError) as e:
+            log.warning("lease %s: release failed (%s: %s); it expires %gs after its last beat",
+                        self.info.key[:16], type(e).__name__, e, self._leases.ttl_s)
 
 
 class Leases:

@@ -44,6 +44,7 @@ RESULTS_SCHEMA = pa.schema(
         ("bytes_uploaded", pa.int64()),
         ("bytes_downloaded", pa.int64()),
         ("bytes_cached", pa.int64()),  # served by the worker's local disk tier
+        ("note", pa.string()),  # how a hit was accepted when its manifest alone did not settle it
     ]
 )
 RESULTS_FILE = "results.parquet"

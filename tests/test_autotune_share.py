@@ -64,3 +64,42 @@ def test_seeding_leaves_other_inductor_caches_in_the_local_file_alone(tmp_path, 
     added, local = _merge_into_local(shared)
     assert added == 1 and local["pad_mm"] == other["pad_mm"]  # pad_mm's entries untouched
     assert sorted(_entries(local)) == [("mm", "[in]", "highest", "aten", 0.02), ("mm", "[in]", "highest", "triton_1", 0.01)]
+
+
+_RACER = """
+import json, pathlib, sys, time
+from torch._inductor.codecache import PersistentCache
+from workers.autotune_share import recording_timings
+me, rounds, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
+(gate / me).touch()
+while len(list(gate.iterdir())) < 4:  # all four start writing together (unlocked, they lost two thirds)
+    time.sleep(0.01)
+with recording_timings() as measured:
+    for i in range(rounds):  # what Inductor's PersistentCache.lookup does after benchmarking: read, add, write
+        cache = PersistentCache()
+        local = cache.get_local_cache()
+        local.setdefault("mm", {}).setdefault(f"[{me}-{i}]", {}).setdefault("highest", {})[f"choice-{me}"] = float(i)
+        cache.update_local_cache(local)
+print(json.dumps(measured))
+"""
+
+
+def test_workers_on_one_host_keep_each_others_timings_and_publish_only_their_own(tmp_path):
+    """Four sandboxes autotuning on one host at once: every timing survives in the shared file,
+    and each reports exactly the timings it measured (those are what it publishes)."""
+    import json
+
+    from workers.autotune_share import _entries
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, f"w{n}", "40", str(gate)], env=env, stdout=subprocess.PIPE,
+                               text=True) for n in range(4)]
+    reported = {f"w{n}": json.loads(p.communicate(timeout=300)[0]) for n, p in enumerate(racers)}
+    for me, entries in reported.items():
+        assert sorted(tuple(e) for e in entries) == sorted(("mm", f"[{me}-{i}]", "highest", f"choice-{me}", float(i))
+                                                           for i in range(40))
+    # Inductor's per-host file (read directly: Inductor caches its path in this process), beside the farm's lock
+    (timing_file,) = [f for f in (tmp_path / "cache").iterdir() if not f.name.endswith(".farm-lock")]
+    assert len(_entries(json.loads(timing_file.read_text())["cache"])) == 4 * 40  # none lost to a racing rewrite

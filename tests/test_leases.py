@@ -120,3 +120,25 @@ def test_two_jobs_at_once_compile_each_key_once(zoo_dir, tmp_path):
         assert sorted(r["status"] for r in rows if r["key"] == key) == ["compiled", "hit"]
     assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # someone really waited instead of compiling
     assert not list(store.backend.list("leases/"))
+
+
+@pytest.mark.slow
+def test_a_lease_release_that_fails_after_publishing_changes_no_outcome(zoo_dir, tmp_path, monkeypatch, caplog):
+    from farm.spec import parse_job
+    from scheduler.jobs import execute
+    from storage import StoreError
+
+    store = store_from_uri(str(tmp_path / "store"))
+    delete = store.backend.delete
+
+    def flaky_delete(path: str) -> None:  # the S3 endpoint fails just as the unit lets its key go
+        if path.startswith("leases/"):
+            raise StoreError(f"DELETE {path}: 503 Slow Down")
+        delete(path)
+
+    monkeypatch.setattr(store.backend, "delete", flaky_delete)
+    outcome = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
+    (r,) = outcome.results
+    assert r.status == "compiled", r.error
+    assert store.get_manifest(r.key) is not None
+    assert "release failed (StoreError: DELETE leases/" in caplog.text and "503 Slow Down" in caplog.text

@@ -151,3 +151,22 @@ def test_hits_are_answered_before_any_worker_starts(ray_cluster, zoo_runs, zoo_d
     status = {r.target: r.status for r in outcome.results}
     assert status == {"aoti-cpu": "hit", "aoti-cpu:x86-64": "compiled"}, [r.error for r in outcome.results]
     assert [s.resource for s in runner.slots] == ["farm_cpu_x86_64"]  # no avx2 worker was started
+
+
+def test_workers_that_die_while_starting_fail_their_units_after_bounded_restarts(ray_cluster, zoo_dir, tmp_path,
+                                                                                  monkeypatch):
+    from scheduler import ray_pool
+
+    class BrokenNode:  # as a node with a bad FARM_CACHE_GB would: its workers die in their constructor
+        def __init__(self, *args):
+            raise ValueError("FARM_CACHE_GB='lots' is not a number of gigabytes")
+
+    monkeypatch.setattr(ray_pool, "_RemoteWorker", ray.remote(max_restarts=0)(BrokenNode))
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")], "targets": ["aoti-cpu:avx2"]})
+    start = time.monotonic()
+    outcome = execute(job, store_from_uri(str(tmp_path)), RayRunner(PoolConfig(start_attempts=3), job_id="broken"))
+    assert time.monotonic() - start < 120  # bounded: never restarted forever
+    assert [r.status for r in outcome.results] == ["failed", "failed"]
+    for r in outcome.results:
+        assert "farm_cpu_avx2 died while starting 3 times in a row" in r.error, r.error
+        assert "ValueError: FARM_CACHE_GB='lots' is not a number of gigabytes" in r.error, r.error

@@ -224,6 +224,9 @@ def _each_alone(comm: GangComm, gang: Gang, unit: Unit, leaders: list[int], stor
         return result
     [said] = comm.await_posts([f"{tag}/{leader}"], unit.limits.timeout_s, f"rank {leader} to compile its graph")
     hit = lookup_unit(unit, store, sandbox)
+    if hit is None and said["status"] != "failed":  # published, but to be verified at this job's tolerances
+        hit = run_unit(unit, store, sandbox)
+        hit = hit if hit.status != "failed" else _failed(unit, gang, hit.error or "")
     if hit is None:
         return _failed(unit, gang, f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
                                    f"{said['error']}")
@@ -255,8 +258,8 @@ class _Lockstep:
             manifest = store.get_manifest(result.key)
             if manifest is None and leader == rank:
                 lowered, facts, manifest = self._lower(ctx, held, identity)
-            if manifest is not None:
-                mine.update(hit=True, digest=manifest["blobs"]["artifact"]["digest"])
+            if manifest is not None:  # a hit, unless it must be verified again (at this job's tolerances): together
+                mine.update(hit=unit.verify.covers(manifest), digest=manifest["blobs"]["artifact"]["digest"])
             elif lowered is not None:  # a blob, not a publication: the ranks sharing this graph fetch it
                 mine["digest"] = store.put_file(lowered).digest
         except (UnitFailed, LoweringError, OSError) as e:
@@ -282,7 +285,7 @@ class _Lockstep:
             if manifest is None:
                 raise UnitFailed(f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
                                  f"{said['error']}")
-        take_hit(ctx, manifest, built_with)
+        take_hit(ctx, manifest, built_with, verified_here=True)
         return None
 
     def _lower(self, ctx: UnitContext, held: contextlib.ExitStack, identity: dict[str, str]):

@@ -33,7 +33,7 @@ from storage import BlobRef, Lease, LeaseInfo, Leases, Store
 from storage.identities import get_identity, put_identity
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
-from workers.autotune_share import SharedAutotune, autotunes, fingerprint_of
+from workers.autotune_share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
 from workers.keys import identity_variant, key_components, key_of
 from workers.sandbox import Sandbox, SandboxFailed
@@ -196,6 +196,8 @@ def _compile(ctx: UnitContext, held: contextlib.ExitStack, hits_only: bool = Fal
     identity, built_with = unit_key(ctx)
 
     manifest = store.get_manifest(result.key)
+    if manifest is not None and hits_only and not unit.verify.covers(manifest):
+        raise _Miss  # to be verified again at this job's tolerances, which a lookup does not do
     if manifest is not None:
         log.note("hit: a manifest exists, nothing to compile")
         take_hit(ctx, manifest, built_with)
@@ -239,7 +241,7 @@ def lower_unit(ctx: UnitContext) -> tuple[Path, dict[str, Any]]:
         measured_here = _count(lowered.get("autotune_benchmarked"))
         result.metrics["autotune_benchmarked"] = float(measured_here)
         if shared:
-            shared.collect()
+            shared.collect(entries_from(lowered.get("autotune_entries")))
             log.note(f"autotuning: benchmarked {measured_here} kernel selections here, "
                      f"gave {shared.published} new timings to the farm")
             result.metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
@@ -319,12 +321,20 @@ def claim_key(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -
     return claim
 
 
-def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str) -> None:
+def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verified_here: bool = False) -> None:
     """A manifest exists. With `weights: shapes` and another checkpoint's weights, show that the
-    artifact runs with ours and matches our program run eagerly before calling it a hit. An
-    autotune candidate takes latencies measured since publishing, and measures the stored
-    artifact again on retune or at a hot size it was never timed at on this device."""
+    artifact runs with ours and matches our program run eagerly before calling it a hit; the same
+    when it was verified at looser tolerances than this job's (unless its recorded error is
+    within them, or the caller verified it: `verified_here`). An autotune candidate takes
+    latencies measured since publishing, and measures the stored artifact again on retune or at
+    a hot size it was never timed at on this device."""
     unit, store, result, log = ctx.unit, ctx.store, ctx.result, ctx.log
+    looser, within = unit.verify.gap(manifest)
+    recheck = looser is not None and not within and not verified_here
+    if looser is not None and not recheck:
+        result.note = looser + ("; verified again here at this job's tolerances" if verified_here else
+                                f"; its recorded max error {manifest['metrics']['max_abs_err']:.3g} is within them")
+        log.note(f"hit: {result.note}")
     result.status = "hit"
     result.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
     result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
@@ -333,18 +343,26 @@ def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str) -> Non
     result.saved_s = manifest.get("compile_s", sum(timings.get(p, 0.0) for p in COMPILE_PHASES))
     result.device = manifest.get("device")
     stored_with = manifest.get("weights", {}).get("built_with")
-    swap = unit.target.weights == "shapes" and stored_with != built_with
-    if unit.target.candidate is None and not swap:  # a plain hit: the manifest says it all
+    swap = unit.target.weights == "shapes" and stored_with != built_with and not verified_here
+    if unit.target.candidate is None and not swap and not recheck:  # a plain hit: the manifest says it all
         return
     device = fingerprint_of(ctx.backend.device_fingerprint(unit.target))
     if unit.target.candidate is not None and not unit.remeasure:  # measured again after it was published?
         result.metrics.update(get_measurements(store, result.key, device))
     unmeasured = [f"{w}={n}" for w, n in unit.hot_sizes if f"compiled_ms@{w}={n}" not in result.metrics]
     remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
-    if not swap and not remeasure:
+    if not swap and not remeasure and not recheck:
         return
     identify_program(ctx, expect={k: v for k, v in result.components["program"].items()})
     artifact = store.fetch(result.artifact.digest, ctx.tmp / "artifact")
+    if recheck and not swap:  # the swap's check below runs at this job's tolerances too
+        log.note(f"{looser}: verifying the stored artifact again")
+        with ctx.phase("verify"):
+            try:
+                check_artifact(ctx, artifact, verify_it=True, bench_it=False)
+            except UnitFailed as e:
+                raise UnitFailed(f"{looser}, and it fails them: {e}. The key is the same at any tolerance: loosen "
+                                 f"verify.atol/rtol, or change the target's options to build another artifact") from None
     if swap:
         log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})")
         with ctx.phase("verify"):
@@ -354,6 +372,8 @@ def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str) -> Non
                 raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: {e}. "
                                  f"Report it: the key should have told them apart") from None
         result.metrics.update(weights_swapped=1.0)
+    if recheck:
+        result.note = f"{looser}; verified again here at this job's tolerances"
     if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
         with ctx.phase("benchmark"):
             check_artifact(ctx, artifact, verify_it=False, bench_it=True)

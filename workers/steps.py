@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.archive import ArchiveLimits, GiB, HostileArchive, check_archive
-from workers.autotune_share import benchmarked
+from workers.autotune_share import benchmarked, recording_timings
 from workers.backends import LoweringError, resolve
 from workers.benchmark import measure
 from workers.inputs import dynamic_dims, input_sets, inputs_at
@@ -116,14 +116,14 @@ class Steps(GangSteps):
         before = benchmarked()
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
         try:  # timings taken while lowering are taken alone on the GPU too
-            with own_inductor_config(), alone_on_device(backend.device, tunes):
+            with own_inductor_config(), alone_on_device(backend.device, tunes), recording_timings() as measured:
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise
         except Exception as e:  # Inductor and the C++ compiler fail in many ways: a unit error, traceback in the log
             raise StepFailed(f"lowering failed: {type(e).__name__}: {first_line(e)} (see the unit log)") from e
         return {"artifact": str(artifact), "facts": backend.describe(artifact, unit.target),
-                "autotune_benchmarked": benchmarked() - before}
+                "autotune_benchmarked": benchmarked() - before, "autotune_entries": measured}
 
     def check(self, unit: Unit, artifact: str, verify_it: bool, bench_it: bool) -> dict[str, Any]:
         """Load an artifact (a freshly lowered one, or one from the store), verify it against the

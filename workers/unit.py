@@ -43,6 +43,28 @@ class VerifyPolicy:
     rtol: float = 1e-4
     extra_sizes: int = 2  # sizes tried per dynamic dimension besides the example's
 
+    def gap(self, manifest: dict[str, Any]) -> tuple[str | None, bool]:
+        """How a manifest's verification falls short of these tolerances (None: it covers them),
+        and whether its recorded max error shows the artifact within them anyway. The key is the
+        same at any tolerance, so a hit under stricter ones must be checked, not assumed."""
+        verified = manifest.get("verify") or {}
+        atol, rtol = verified.get("atol"), verified.get("rtol")
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in (atol, rtol)):
+            why = "the manifest does not say what tolerances it was verified at"
+        elif atol <= self.atol and rtol <= self.rtol:
+            return None, True
+        else:
+            why = (f"the stored artifact was verified at atol={atol:g}, rtol={rtol:g}; this job asks "
+                   f"atol={self.atol:g}, rtol={self.rtol:g}")
+        # |compiled - eager| <= atol passes allclose at any rtol, on the inputs it was checked at
+        err = (manifest.get("metrics") or {}).get("max_abs_err")
+        return why, isinstance(err, (int, float)) and not isinstance(err, bool) and 0 <= err <= self.atol
+
+    def covers(self, manifest: dict[str, Any]) -> bool:
+        """Whether a hit on this manifest needs no verification at these tolerances."""
+        looser, within = self.gap(manifest)
+        return looser is None or within
+
 
 @dataclass(frozen=True)
 class BenchPolicy:
@@ -140,6 +162,7 @@ class UnitResult:
     device: dict[str, Any] | None = None  # the device fingerprint its latencies were measured on
     candidate: str | None = None  # autotune: the candidate of a candidate's row, the winner of the tuned row
     transfer: Transfer = field(default_factory=Transfer)
+    note: str | None = None  # how a hit was accepted when the manifest alone did not settle it
 
     def to_row(self, job_id: str) -> dict[str, Any]:
         t = self.timings
@@ -167,6 +190,7 @@ class UnitResult:
             "bytes_uploaded": self.transfer.uploaded,
             "bytes_downloaded": self.transfer.downloaded,
             "bytes_cached": self.transfer.cached,
+            "note": self.note,
         }
 
     def to_dict(self) -> dict[str, Any]:
