@@ -34,7 +34,7 @@ def test_a_hit_under_stricter_tolerances_is_verified_again(zoo_runs, zoo_dir):
     store, r, job_id = _mlp_at(zoo_runs, zoo_dir, atol=err / 100, rtol=0.5)  # stricter atol: the recorded error is over it
     assert r.status == "hit" and "verify" in r.timings, r.error
     assert r.note.endswith("verified again here at this job's tolerances")
-    assert "verified again here" in farm("explain", "--job", job_id, "--store", store.uri)
+    assert "verified again here" in " ".join(farm("explain", "--job", job_id, "--store", store.uri).split())
 
 
 def test_a_hit_that_fails_stricter_tolerances_fails_and_explain_says_why(zoo_runs, zoo_dir):
@@ -43,5 +43,5 @@ def test_a_hit_that_fails_stricter_tolerances_fails_and_explain_says_why(zoo_run
     assert r.status == "failed" and not r.retryable
     assert "verified at atol=0.0001, rtol=0.0001; this job asks" in r.error and "and it fails them" in r.error
     assert "verification failed" in r.error
-    out = farm("explain", "--job", job_id, "--store", store.uri)
+    out = " ".join(farm("explain", "--job", job_id, "--store", store.uri).split())  # as one line, unwrapped
     assert "and it fails them" in out
