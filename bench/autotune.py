@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SERIAL = """
 import json, sys
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 job = parse_job(json.loads(sys.argv[1]))
@@ -52,7 +52,7 @@ def main() -> None:
     serial_choice = json.loads(proc.stdout.strip().splitlines()[-1])
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-farm")  # inherited by the workers
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from scheduler.jobs import execute
     from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
     from storage import store_from_uri

@@ -20,7 +20,7 @@ from pathlib import Path
 
 SERIAL = """
 import sys
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 job = parse_job({"name": "serial", "graphs": sys.argv[2:], "targets": sys.argv[1].split(",")})
@@ -54,7 +54,7 @@ def main() -> None:
 
     # farm: W long-lived workers on an embedded Ray (its start-up not counted)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-farm")  # inherited by the workers
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from scheduler.jobs import execute
     from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
     from storage import store_from_uri

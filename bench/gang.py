@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _side(args: argparse.Namespace) -> None:
     """One side, in this fresh process: prints {"seconds": ..., "statuses": [...]} as JSON."""
     sys.path.insert(0, str(ROOT))
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from scheduler.jobs import execute
     from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
     from storage import store_from_uri

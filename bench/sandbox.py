@@ -81,7 +81,7 @@ def _side(name: str, job, root: Path, make_sandbox, costs: list) -> dict[str, fl
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="farm-sandbox-bench-"))
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from farm.zoo import export_zoo
     from workers.sandbox import Sandbox
 

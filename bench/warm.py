@@ -43,7 +43,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # before torch is imported
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from farm.zoo import export_zoo
     from storage import CacheConfig, store_from_uri
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from farm.spec import SpecError, load_job, parse_job
+from scheduler.spec import JobSpec, SpecError, VerifySpec, load_job, parse_job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
 zoo_app = typer.Typer(no_args_is_help=True, help="The built-in smoke zoo.")
@@ -72,9 +72,10 @@ def compile(
     target: list[str] = typer.Option(["aoti-cpu"], "--target", "-t", help="backend[:isa], e.g. aoti-cpu, aoti-cpu:avx512, aoti-cuda:sm_90"),
     store: str = StoreOpt,
     module: list[str] = typer.Option([], "--module", "-m", help="module to import before loading (output pytree types)"),
-    atol: float = typer.Option(1e-4, help="verification absolute tolerance"),
-    rtol: float = typer.Option(1e-4, help="verification relative tolerance"),
-    weights: str = typer.Option("values", help="values: an artifact per checkpoint; shapes: one per architecture"),
+    atol: float = typer.Option(VerifySpec().atol, help="verification absolute tolerance"),
+    rtol: float = typer.Option(VerifySpec().rtol, help="verification relative tolerance"),
+    weights: str = typer.Option(JobSpec.model_fields["weights"].default,
+                                help="values: an artifact per checkpoint; shapes: one per architecture"),
 ) -> None:
     """Compile graphs for targets in this process and print a results table."""
     try:

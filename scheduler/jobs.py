@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from farm.spec import JobSpec, SpecError, job_to_yaml
+from scheduler.spec import JobSpec, SpecError, job_to_yaml
 from scheduler.plan import check_specializations, plan, plan_gangs
 from scheduler.tuning import finish_tuning
 from storage import Store

@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from farm.spec import JobSpec, SpecError, TargetSpec
+from scheduler.spec import JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
 from workers.backends import LoweringError, resolve
 from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPolicy

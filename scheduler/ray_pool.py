@@ -25,6 +25,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from scheduler.spec import RETRIES
 from storage import CacheConfig, Store, store_from_uri
 from workers.backends import LoweringError, Placement, offered_resources, resolve
 from workers.pipeline import lookup_unit, run_unit
@@ -42,7 +43,7 @@ WORKER_GRACE_S = 60.0
 @dataclass(frozen=True)
 class PoolConfig:
     workers: int | None = None  # per device class; None: every slot the cluster offers
-    retries: int = 2
+    retries: int = RETRIES
     # workers of one device class that die while starting, one after another, before its units
     # fail with the worker's own error (a bad FARM_CACHE_GB or a broken import never heals)
     start_attempts: int = 3

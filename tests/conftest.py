@@ -74,7 +74,7 @@ def zoo_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def zoo_runs(zoo_dir, tmp_path_factory):
     """The zoo job run twice into one local store: cold, then unchanged."""
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from scheduler.jobs import execute
 
     store = store_from_uri(str(tmp_path_factory.mktemp("zoo-store")))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from farm.spec import SpecError, parse_job
+from scheduler.spec import SpecError, parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from workers.autotune import Measured, decide

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from farm.client import load_tuned
-from farm.spec import SpecError, parse_job
+from scheduler.spec import SpecError, parse_job
 from farm.zoo import export_model
 from scheduler.jobs import execute, read_status
 from storage import store_from_uri

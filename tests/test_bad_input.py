@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from storage.results import read_results

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from farm.spec import SpecError, load_job, parse_job
+from scheduler.spec import SpecError, load_job, parse_job
 from farm.zoo import export_model
 from workers.inputs import input_sets
 from workers.verify import verify

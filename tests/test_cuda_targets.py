@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri

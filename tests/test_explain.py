@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from farm.zoo import export_model
 from scheduler.jobs import execute
 from tests.cli import farm as _farm

@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import NoEvents, execute
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from farm.spec import SpecError, parse_job
+from scheduler.spec import SpecError, parse_job
 from scheduler.jobs import execute
 from scheduler.plan import plan_gangs
 from storage import store_from_uri

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.plan import plan
 from storage import store_from_uri
 from workers.backends import cuda

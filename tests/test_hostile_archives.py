@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from farm.spec import SpecError, load_job, parse_job
+from scheduler.spec import SpecError, load_job, parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from tests import hostile

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from workers.backends import LoweringError, get_backend

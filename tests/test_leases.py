@@ -72,7 +72,7 @@ def test_a_live_holder_is_not_taken_over(store):
 @pytest.mark.slow
 def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path):
     """A worker died holding the lease of a key: the next worker waits one lease period, then compiles."""
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from scheduler.plan import plan
     from workers.pipeline import run_unit
 
@@ -124,7 +124,7 @@ def test_two_jobs_at_once_compile_each_key_once(zoo_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_lease_release_that_fails_after_publishing_changes_no_outcome(zoo_dir, tmp_path, monkeypatch, caplog):
-    from farm.spec import parse_job
+    from scheduler.spec import parse_job
     from scheduler.jobs import execute
     from storage import StoreError
 

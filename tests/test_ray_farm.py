@@ -13,7 +13,7 @@ import pytest
 import yaml
 import ray
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute, read_status
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from tests.cli import farm
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from farm.client import load_compiled
-from farm.spec import parse_job
+from scheduler.spec import parse_job
 from farm.zoo import ZOO
 from scheduler.jobs import execute
 from storage import store_from_uri

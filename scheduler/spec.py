@@ -1,4 +1,8 @@
-"""The job spec: YAML, validated on load, with errors that name the file and the field."""
+"""The job spec: YAML, validated on load, with errors that name the file and the field.
+
+It lives below the scheduler (the CLI and the client build on it; nothing here imports them),
+and its defaults are the workers' own policies (VerifyPolicy, BenchPolicy, UnitLimits), so a
+default is defined once: the command line's defaults are read from here."""
 from __future__ import annotations
 
 import os
@@ -10,7 +14,9 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 from workers.autotune import DEFAULT_SPACE, resolve_space
-from workers.unit import UnitLimits
+from workers.unit import BenchPolicy, Unit, UnitLimits, VerifyPolicy
+
+RETRIES = 2  # re-queues of a unit whose worker died, unless the job or the command line says otherwise
 
 
 class SpecError(ValueError):
@@ -153,21 +159,21 @@ class TargetSpec(_Strict):
 
 
 class VerifySpec(_Strict):
-    atol: float = Field(1e-4, ge=0)
-    rtol: float = Field(1e-4, ge=0)
-    extra_sizes: int = Field(2, ge=0, le=8, description="sizes to try per dynamic dimension besides the example")
+    atol: float = Field(VerifyPolicy.atol, ge=0)
+    rtol: float = Field(VerifyPolicy.rtol, ge=0)
+    extra_sizes: int = Field(VerifyPolicy.extra_sizes, ge=0, le=8, description="sizes to try per dynamic dimension besides the example")
 
 
 class BenchmarkSpec(_Strict):
-    warmup: int = Field(3, ge=0)
-    repeat: int = Field(20, ge=1)
+    warmup: int = Field(BenchPolicy.warmup, ge=0)
+    repeat: int = Field(BenchPolicy.repeat, ge=1)
 
 
 class LimitsSpec(_Strict):
     timeout_s: float = Field(UnitLimits.timeout_s, gt=0, description="a unit still running after this is failed with reason timeout")
-    retries: int = Field(2, ge=0, description="times a unit is re-queued when its worker dies")
+    retries: int = Field(RETRIES, ge=0, description="times a unit is re-queued when its worker dies")
     workers: int | None = Field(None, ge=1, description="workers per device class (default: every slot offered)")
-    lease_s: float = Field(60, gt=0, description="a compile whose worker shows no life for this long is taken over")
+    lease_s: float = Field(Unit.lease_ttl_s, gt=0, description="a compile whose worker shows no life for this long is taken over")
     memory_gb: float = Field(UnitLimits.memory_gb, gt=0, description="memory of a unit's sandbox, compilers included")
     file_gb: float = Field(UnitLimits.file_gb, gt=0, description="largest file a unit's sandbox may write")
     archive_gb: float = Field(UnitLimits.archive_gb, gt=0, description="a graph archive's members, decompressed, in all")
