@@ -111,9 +111,9 @@ class Leases:
     def try_acquire(self, key: str, generation: int) -> Lease | None:
         """Create this generation of the lease; None if another worker created it first."""
         info = LeaseInfo(key, generation, self.holder, 0, dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-        if not self.backend.write(_lease_path(key, generation), _encode(info), if_absent=True):
-            return None
         mine = _lease_path(key, generation)
+        if not self.backend.write(mine, _encode(info), if_absent=True) and self.backend.read(mine) != _encode(info):
+            return None  # (the same bytes: our own write, answered 'exists' when attempted again after a lost reply)
         for path in list(self.backend.list(f"leases/{key}/")):
             if path < mine:  # generations of holders that stopped: gone for good
                 self.backend.delete(path)

@@ -7,15 +7,21 @@ half an object; the manifest's conditional write is `If-None-Match: *`.
 """
 from __future__ import annotations
 
+import logging
+import random
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 import boto3
 import botocore.exceptions
+import urllib3.exceptions
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from storage.backend import StoreError
+
+log = logging.getLogger(__name__)
 
 # Multipart above 64 MiB, 4 parts in flight: artifacts with packaged weights get large.
 TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
@@ -23,10 +29,25 @@ T = TypeVar("T")
 _RAISE = object()  # sentinel: let the error through as StoreError
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _CONDITION_FAILED = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+_BUSY = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException"}
+# Botocore retries a request that fails before its response starts; these attempts also cover a
+# response body that breaks off mid-read (which botocore, or urllib3 beneath it, raises as is).
+ATTEMPTS = 4
+BACKOFF_S = 0.25
 
 
 def _code(e: botocore.exceptions.ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _transient(e: Exception) -> bool:
+    """An error that another attempt may not meet: the connection, a timeout, a busy server."""
+    if isinstance(e, botocore.exceptions.ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return _code(e) in _BUSY or status >= 500
+    return isinstance(e, (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError,
+                          botocore.exceptions.IncompleteReadError, urllib3.exceptions.HTTPError,
+                          boto3.exceptions.S3UploadFailedError))
 
 
 class S3Backend:
@@ -39,6 +60,7 @@ class S3Backend:
         self._client = client or boto3.session.Session().client(
             "s3", config=Config(retries={"max_attempts": 5, "mode": "standard"})
         )
+        self.retried = 0  # calls this backend attempted again after a transient error
 
     def _key(self, path: str) -> str:
         return f"{self.prefix}/{path}" if self.prefix else path
@@ -51,20 +73,30 @@ class S3Backend:
             hint = " (is the endpoint in AWS_ENDPOINT_URL reachable?)"
         return StoreError(f"{what} {self.uri}/{path} failed: {e}{hint}")
 
-    _ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, boto3.exceptions.S3UploadFailedError)
+    _ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, boto3.exceptions.S3UploadFailedError,
+               urllib3.exceptions.HTTPError)
 
     def _call(self, what: str, path: str, fn: Callable[[], T], *, missing: Any = _RAISE,
               conflict: Any = _RAISE) -> T:
-        """Run one boto3 call; 'not found' and 'condition failed' become values, the rest StoreError."""
-        try:
-            return fn()
-        except self._ERRORS as e:
-            code = _code(e) if isinstance(e, botocore.exceptions.ClientError) else ""
-            if code in _NOT_FOUND and missing is not _RAISE:
-                return missing
-            if code in _CONDITION_FAILED and conflict is not _RAISE:
-                return conflict
-            raise self._fail(what, path, e) from e
+        """Run one boto3 call, again after a transient error (ATTEMPTS in all); 'not found' and
+        'condition failed' become values, the rest StoreError. A conditional write attempted
+        again may meet its own first attempt, which succeeded unseen: callers that care read
+        back what they wrote (storage/leases.py does)."""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return fn()
+            except self._ERRORS as e:
+                code = _code(e) if isinstance(e, botocore.exceptions.ClientError) else ""
+                if code in _NOT_FOUND and missing is not _RAISE:
+                    return missing
+                if code in _CONDITION_FAILED and conflict is not _RAISE:
+                    return conflict
+                if attempt == ATTEMPTS or not _transient(e):
+                    raise self._fail(what, path, e) from e
+                self.retried += 1
+                log.info("%s %s/%s: attempt %d failed (%s); trying again", what, self.uri, path, attempt, type(e).__name__)
+                time.sleep(BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable")
 
     def read(self, path: str) -> bytes | None:
         return self._call("read", path, lambda: self._client.get_object(
@@ -92,15 +124,12 @@ class S3Backend:
 
     def list(self, prefix: str) -> Iterator[str]:
         strip = len(self.prefix) + 1 if self.prefix else 0
-        try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(prefix)
-            )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    yield obj["Key"][strip:]
-        except self._ERRORS as e:
-            raise self._fail("list", prefix, e) from e
+
+        def every_page() -> list[str]:  # listed whole, so an attempt again starts from the first page
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+            return [obj["Key"][strip:] for page in pages for obj in page.get("Contents", [])]
+
+        yield from self._call("list", prefix, every_page)
 
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self._client.delete_object(Bucket=self.bucket, Key=self._key(path)))

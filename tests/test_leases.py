@@ -142,3 +142,19 @@ def test_a_lease_release_that_fails_after_publishing_changes_no_outcome(zoo_dir,
     assert r.status == "compiled", r.error
     assert store.get_manifest(r.key) is not None
     assert "release failed (StoreError: DELETE leases/" in caplog.text and "503 Slow Down" in caplog.text
+
+
+def test_a_lease_whose_create_was_answered_exists_is_still_ours_if_we_wrote_it(store, monkeypatch):
+    """S3 retried a conditional PUT whose first reply was lost: the retry answers 412 against our
+    own write. The lease must not be given up (it would sit unrenewed until taken over)."""
+    write = store.backend.write
+
+    def lost_reply(path: str, data: bytes, *, if_absent: bool = False) -> bool:
+        write(path, data, if_absent=if_absent)  # landed ...
+        return False if if_absent else True  # ... but the attempt again was told it exists
+
+    monkeypatch.setattr(store.backend, "write", lost_reply)
+    mine = Leases(store.backend, "worker-a", ttl_s=5).try_acquire("key-lost-reply", 0)
+    assert mine is not None and mine.info.holder == "worker-a"
+    assert Leases(store.backend, "worker-b", ttl_s=5).try_acquire("key-lost-reply", 0) is None  # theirs stays theirs
+    mine.release()

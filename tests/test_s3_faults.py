@@ -1,0 +1,65 @@
+"""The store under S3 faults: a loopback proxy in front of the real SeaweedFS server resets
+connections, answers 500/503 and stalls responses for a share of requests."""
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import pytest
+
+from scheduler.spec import parse_job
+from scheduler.jobs import execute
+from storage import store_from_uri
+from storage.store import blob_path
+from tests.faulty_proxy import FaultyProxy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def faulty_s3(s3_server, s3_uri, monkeypatch):
+    """A proxy in front of the session's S3 server (faults off until a test sets `rate`), and
+    this process's boto3 pointed at it."""
+    upstream = urlparse(s3_server.endpoint)
+    with FaultyProxy((upstream.hostname, upstream.port), stall_s=1.0, seed=11) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        yield proxy, s3_uri
+
+
+def test_the_zoo_job_completes_correctly_at_a_ten_percent_fault_rate(faulty_s3, zoo_dir, monkeypatch, capsys):
+    proxy, uri = faulty_s3
+    proxy.rate = 0.10
+    store = store_from_uri(uri)
+    graphs = sorted(str(p) for p in zoo_dir.glob("*.pt2"))
+    outcome = execute(parse_job({"name": "faults", "graphs": graphs, "targets": ["aoti-cpu"]}), store)
+    proxy.rate = 0.0
+    with capsys.disabled():
+        print(f"\nS3 faults: {proxy.counts['requests']} requests, "
+              f"{sum(n for k, n in proxy.counts.items() if k != 'requests')} faults injected "
+              f"({', '.join(f'{k} {n}' for k, n in sorted(proxy.counts.items()) if k != 'requests')}), "
+              f"{store.backend.retried} calls retried by the store, "
+              f"{sum(r.status == 'compiled' for r in outcome.results)}/{len(graphs)} units compiled")
+    assert sum(n for k, n in proxy.counts.items() if k != "requests") > 10  # the faults really happened
+    assert [r.status for r in outcome.results] == ["compiled"] * len(graphs), [r.error for r in outcome.results]
+
+    clean = store_from_uri(uri)  # read back without faults: what was published is whole and consistent
+    for r in outcome.results:
+        manifest = clean.get_manifest(r.key)
+        for name, blob in manifest["blobs"].items():
+            if blob:
+                assert clean.backend.size(blob_path(blob["digest"])) == blob["size"], (r.graph, name)
+        clean.fetch(manifest["blobs"]["artifact"]["digest"], zoo_dir.parent / f"check-{r.graph}")  # digest-checked
+    assert not list(clean.backend.list("leases/"))
+
+
+def test_reads_that_break_off_mid_body_are_attempted_again(faulty_s3):
+    """Botocore retries a request that fails before its response; a body cut off halfway (or an
+    error document cut off, which urllib3 raises as is) is the store's to retry."""
+    proxy, uri = faulty_s3
+    store = store_from_uri(uri)
+    data = bytes(range(256)) * 4096  # 1 MiB: a response long enough to be cut
+    store.backend.write("docs/big", data)
+    proxy.rate, proxy.faults = 0.3, ("cut",)
+    for _ in range(20):
+        assert store.backend.read("docs/big") == data
+        assert store.backend.read("docs/absent") is None  # a 404 whose error document is cut
+    assert proxy.counts["cut"] > 5 and store.backend.retried > 0
