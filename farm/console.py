@@ -64,6 +64,11 @@ class ProgressEvents:
         self.retries += 1
         self.progress.update(self.task, counts=self._counts())
 
+    def ran_again(self, unit: Unit, previous: UnitResult) -> None:
+        self.counts[previous.status] -= 1
+        self.retries += 1
+        self.progress.update(self.task, advance=-1, counts=self._counts())
+
     def finished(self, unit: Unit, result: UnitResult) -> None:
         self.running.pop(unit.unit_id, None)
         self.counts[result.status] = self.counts.get(result.status, 0) + 1

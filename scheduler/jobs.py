@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -15,14 +16,17 @@ from typing import Any, Callable, Iterable, Protocol
 from scheduler.spec import JobSpec, SpecError, job_to_yaml
 from scheduler.plan import check_specializations, plan, plan_gangs
 from scheduler.tuning import finish_tuning
-from storage import Store
+from storage import Store, StoreError
 from storage.results import write_results
 from storage.stats import JobStats, write_stats
 from workers.pipeline import run_unit
 from workers.sandbox import Sandbox
 from workers.unit import Gang, Unit, UnitResult
 
+log = logging.getLogger(__name__)
+
 STATUS_FILE = "status.json"
+TRANSIENT_PAUSE_S = 5.0  # before the first run again of units the store failed; doubles each round
 KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
 
 
@@ -31,6 +35,7 @@ class Events(Protocol):
     def started(self, unit: Unit) -> None: ...
     def retried(self, unit: Unit) -> None: ...
     def finished(self, unit: Unit, result: UnitResult) -> None: ...
+    def ran_again(self, unit: Unit, previous: UnitResult) -> None: ...  # a finished unit queued once more
 
 
 class NoEvents(Events):
@@ -64,6 +69,27 @@ def run_gangs(runner: Runner, gangs: list[Gang], store: Store, events: Events) -
             yield unit, result
 
 
+def _again_if_transient(runner: Runner, units: list[Unit], store: Store, events: Events,
+                        rounds: int) -> list[tuple[Unit, UnitResult]]:
+    """Run the units; those that failed because the store could not be reached run again, after
+    a pause that doubles each round (an S3 endpoint restarting, a network blip), up to `rounds`
+    times. Publishing is all-or-nothing, so a unit cut off mid-publish left nothing behind."""
+    done = list(runner(units, store, events)) if units else []
+    for round_ in range(rounds):
+        again = [i for i, (_, r) in enumerate(done) if r.status == "failed" and r.transient]
+        if not again:
+            break
+        time.sleep(TRANSIENT_PAUSE_S * 2 ** round_)
+        for i in again:
+            events.ran_again(*done[i])
+        where = {done[i][0].unit_id: i for i in again}
+        for unit, result in runner([done[i][0] for i in again], store, events):  # in the order they finish
+            i = where[unit.unit_id]
+            result.retries += done[i][1].retries + 1
+            done[i] = (unit, result)
+    return done
+
+
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -80,9 +106,15 @@ class StatusFile:
         self.write(force=True)
 
     def write(self, force: bool = False) -> None:
+        """Progress for watchers: a write the store refuses is logged and made up by the next one,
+        never a reason to stop the job."""
         if force or time.monotonic() - self._written > 1.0:
             self.doc["updated_at"] = _now()
-            self.store.put_job_file(self.job_id, STATUS_FILE, json.dumps(self.doc, indent=1).encode())
+            try:
+                self.store.put_job_file(self.job_id, STATUS_FILE, json.dumps(self.doc, indent=1).encode())
+            except StoreError as e:
+                log.warning("job %s: status not written (%s); the next update tries again", self.job_id, e)
+                return
             self._written = time.monotonic()
 
     def planned(self, units: list[Unit]) -> None:
@@ -102,6 +134,13 @@ class StatusFile:
         self.doc["retries"] += 1
         self.write()
         self.inner.retried(unit)
+
+    def ran_again(self, unit: Unit, previous: UnitResult) -> None:
+        self.doc[previous.status] -= 1
+        self.doc["queued"] += 1
+        self.doc["retries"] += 1
+        self.write()
+        self.inner.ran_again(unit, previous)
 
     def finished(self, unit: Unit, result: UnitResult) -> None:
         if self.doc["running"] > 0:
@@ -148,7 +187,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
         status.write(force=True)
         raise
     status.planned(units + [u for gang in gangs for u in gang.ranks])
-    done = (list(runner(units, store, status)) if units else []) + list(run_gangs(runner, gangs, store, status))
+    done = _again_if_transient(runner, units, store, status, job.limits.retries) + list(run_gangs(runner, gangs, store, status))
     outcome.results = [result for _, result in done] + finish_tuning(done, store)
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]

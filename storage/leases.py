@@ -89,8 +89,10 @@ class Lease:
         try:
             self._leases.backend.delete(_lease_path(self.info.key, self.info.generation))
         except (StoreError, OSError) as e:
-            log.warning("lease %s: release failed (%s: %s); it expires %gs after its last beat",
-                        self.info.key[:16], type(e).__name__, e, self._leases.ttl_s)
+            _LEFT_BEHIND.add((self.info.key, self.info.generation, self.info.holder))
+            log.warning("lease %s: release failed (%s: %s); it expires %gs after its last beat, or at once "
+                        "when this process claims the key again", self.info.key[:16], type(e).__name__, e,
+                        self._leases.ttl_s)
 
 
 class Leases:
@@ -136,6 +138,8 @@ class Leases:
             current = self.current(key)
             if current is None:
                 lease = self.try_acquire(key, next_generation)
+            elif (key, current.generation, current.holder) in _LEFT_BEHIND:  # released here, its delete failed
+                lease = self.try_acquire(key, current.generation + 1)
             elif seen is not None and current.state == seen.state and time.monotonic() - seen_since > self.ttl_s:
                 lease = self.try_acquire(key, current.generation + 1)  # its holder stopped renewing
             else:
@@ -153,6 +157,11 @@ class Leases:
                 lease.release()
                 return done
             return lease
+
+
+# Leases this process released but could not delete (the store was unreachable): no one holds
+# them, so this process's next claim of the key takes over at once instead of waiting ttl_s.
+_LEFT_BEHIND: set[tuple[str, int, str]] = set()
 
 
 def _encode(info: LeaseInfo) -> bytes:

@@ -34,6 +34,7 @@ _BUSY = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "T
 # response body that breaks off mid-read (which botocore, or urllib3 beneath it, raises as is).
 ATTEMPTS = 4
 BACKOFF_S = 0.25
+BOTO_ATTEMPTS = 5  # botocore's own, per request
 
 
 def _code(e: botocore.exceptions.ClientError) -> str:
@@ -58,7 +59,7 @@ class S3Backend:
         self.prefix = prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self._client = client or boto3.session.Session().client(
-            "s3", config=Config(retries={"max_attempts": 5, "mode": "standard"})
+            "s3", config=Config(retries={"max_attempts": BOTO_ATTEMPTS, "mode": "standard"})
         )
         self.retried = 0  # calls this backend attempted again after a transient error
 

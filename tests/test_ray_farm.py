@@ -14,7 +14,7 @@ import yaml
 import ray
 
 from scheduler.spec import parse_job
-from scheduler.jobs import execute, read_status
+from scheduler.jobs import NoEvents, execute, read_status
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri
 from storage.results import read_results
@@ -77,10 +77,8 @@ def test_a_unit_past_its_timeout_fails_fast_and_the_rest_compile(ray_cluster, zo
     finished_at = {}
     start = time.monotonic()
 
-    class Clock:
-        def planned(self, units): ...
+    class Clock(NoEvents):
         def started(self, unit): finished_at.setdefault(("start", unit.unit_id), time.monotonic())
-        def retried(self, unit): ...
         def finished(self, unit, result): finished_at[unit.unit_id] = time.monotonic()
 
     outcome = execute(job, store_from_uri(str(tmp_path)), runner, events=Clock())

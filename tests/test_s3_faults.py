@@ -63,3 +63,73 @@ def test_reads_that_break_off_mid_body_are_attempted_again(faulty_s3):
         assert store.backend.read("docs/big") == data
         assert store.backend.read("docs/absent") is None  # a 404 whose error document is cut
     assert proxy.counts["cut"] > 5 and store.backend.retried > 0
+
+
+def test_a_job_rides_out_its_s3_server_killed_and_restarted(zoo_dir, tmp_path, monkeypatch):
+    """SIGKILL the S3 server while a job runs and start it again on the same data: units caught
+    in the outage fail as transient, run again once it is back, and nothing partial is published."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from scheduler import jobs
+    from scheduler.jobs import NoEvents
+    from storage import s3
+    from tests.seaweed import start_seaweed
+
+    monkeypatch.setattr(s3, "ATTEMPTS", 1)  # no attempts again inside a store call: the outage reaches the units
+    monkeypatch.setattr(s3, "BOTO_ATTEMPTS", 1)
+    monkeypatch.setattr(jobs, "TRANSIENT_PAUSE_S", 6.0)
+    data = tmp_path / "weed"
+    server = start_seaweed(data)
+    server.create_bucket("outage")
+    servers = [server]
+    upstream = urlparse(server.endpoint)
+    with FaultyProxy((upstream.hostname, upstream.port)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        for k, v in server.env().items():
+            if k != "AWS_ENDPOINT_URL":
+                monkeypatch.setenv(k, v)
+
+        def outage() -> None:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+            time.sleep(2)
+            restarted = start_seaweed(data)  # same data, new ports: the proxy now forwards there
+            servers.append(restarted)
+            back = urlparse(restarted.endpoint)
+            proxy.upstream = (back.hostname, back.port)
+
+        class KillOnSecondStart(NoEvents):
+            starts = 0
+
+            def started(self, unit):
+                self.starts += 1
+                if self.starts == 2:
+                    threading.Thread(target=outage).start()
+
+        graphs = [str(zoo_dir / "cnn.pt2"), str(zoo_dir / "mlp.pt2")]  # the kill lands as the second starts
+        try:
+            store = store_from_uri("s3://outage/store")
+            outcome = execute(parse_job({"name": "outage", "graphs": graphs, "targets": ["aoti-cpu"]}), store,
+                              events=KillOnSecondStart())
+        finally:
+            for s in servers:
+                s.stop()
+            servers.clear()
+            restarted = start_seaweed(data)  # read back what was published, fault-free
+            servers.append(restarted)
+        try:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", restarted.endpoint)
+            assert [r.status for r in outcome.results] == ["compiled"] * len(graphs), [r.error for r in outcome.results]
+            assert max(r.retries for r in outcome.results) >= 1  # some unit failed in the outage and ran again
+            clean = store_from_uri("s3://outage/store")
+            for key in clean.manifest_keys():
+                for blob in clean.get_manifest(key)["blobs"].values():
+                    if blob:
+                        assert clean.backend.size(blob_path(blob["digest"])) == blob["size"]
+            assert sorted(clean.manifest_keys()) == sorted(r.key for r in outcome.results)
+            assert not list(clean.backend.list("leases/"))
+        finally:
+            restarted.stop()

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import BlobRef, Lease, LeaseInfo, Leases, Store
+from storage import BlobRef, Lease, LeaseInfo, Leases, Store, StoreError
+from storage.store import CorruptBlob
 from storage.identities import get_identity, put_identity
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
@@ -142,7 +143,9 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
         except Exception as e:  # a library blew up mid-phase: still a value, with the traceback in the log
             result.status = "failed"
             result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
-            result.retryable = phases.current in ("fetch", "upload", "lease")  # I/O may succeed on retry
+            # the store failing (after its own attempts) is the network's or the server's: in a moment it may not
+            result.transient = isinstance(e, StoreError) and not isinstance(e, CorruptBlob)
+            result.retryable = result.transient or phases.current in ("fetch", "upload", "lease")
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
     result.timings = {**phases.timings, "total": time.perf_counter() - start}

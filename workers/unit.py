@@ -163,6 +163,7 @@ class UnitResult:
     candidate: str | None = None  # autotune: the candidate of a candidate's row, the winner of the tuned row
     transfer: Transfer = field(default_factory=Transfer)
     note: str | None = None  # how a hit was accepted when the manifest alone did not settle it
+    transient: bool = False  # failed because the store could not be reached: the job runs it again shortly
 
     def to_row(self, job_id: str) -> dict[str, Any]:
         t = self.timings
