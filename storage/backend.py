@@ -13,6 +13,11 @@ class StoreError(RuntimeError):
     """An I/O failure talking to a store, carrying its cause."""
 
 
+class UnsafeStore(StoreError):
+    """The store works but cannot be published to safely (e.g. it ignores conditional writes);
+    trying again will not help."""
+
+
 class Backend(Protocol):
     uri: str
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -19,7 +20,7 @@ import urllib3.exceptions
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from storage.backend import StoreError
+from storage.backend import StoreError, UnsafeStore
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class S3Backend:
             "s3", config=Config(retries={"max_attempts": BOTO_ATTEMPTS, "mode": "standard"})
         )
         self.retried = 0  # calls this backend attempted again after a transient error
+        self._conditional: bool | None = None  # does the server honour If-None-Match? (probed once)
 
     def _key(self, path: str) -> str:
         return f"{self.prefix}/{path}" if self.prefix else path
@@ -104,10 +106,27 @@ class S3Backend:
             Bucket=self.bucket, Key=self._key(path))["Body"].read(), missing=None)
 
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
+        if if_absent:
+            self._require_conditional_writes()
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         return self._call("write", path, lambda: self._client.put_object(
             Bucket=self.bucket, Key=self._key(path), Body=data, **extra) and True,
             conflict=False if if_absent else _RAISE)
+
+    def _require_conditional_writes(self) -> None:
+        """Leases and manifests are published with `If-None-Match: *`; a server that ignores it
+        would let two workers both win. Probe once (write a scratch object twice); against such
+        a server the farm refuses to publish rather than race."""
+        if self._conditional is None:
+            probe = f"_probe/conditional-write-{secrets.token_hex(8)}"
+            put = lambda: self._client.put_object(Bucket=self.bucket, Key=self._key(probe), Body=b"1", IfNoneMatch="*")
+            self._call("write", probe, put)
+            self._conditional = self._call("write", probe, lambda: put() and False, conflict=True)
+            self._call("delete", probe, lambda: self._client.delete_object(Bucket=self.bucket, Key=self._key(probe)))
+        if not self._conditional:
+            raise UnsafeStore(f"the S3 server behind {self.uri} ignores conditional writes (If-None-Match: *), so "
+                             f"leases and manifests could be published twice; the farm refuses to publish to it. "
+                             f"Use a server that honours them (AWS S3, SeaweedFS, MinIO, moto)")
 
     def upload_file(self, path: str, src: Path) -> None:
         self._call("upload", path, lambda: self._client.upload_file(str(src), self.bucket, self._key(path), Config=TRANSFER))

@@ -55,10 +55,35 @@ def local_uri(tmp_path) -> str:
     return str(tmp_path / "store")
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A second S3 implementation (moto's server, from PyPI) on a free loopback port."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3", "moto"])
 def store(request, tmp_path):
     if request.param == "local":
         return store_from_uri(str(tmp_path / "store"))
+    if request.param == "moto":
+        import boto3
+        from botocore.config import Config
+
+        from storage import Store
+        from storage.s3 import S3Backend
+
+        client = boto3.client("s3", endpoint_url=request.getfixturevalue("moto_endpoint"), region_name="us-east-1",
+                              aws_access_key_id="moto", aws_secret_access_key="moto",
+                              config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+        bucket = f"farm-moto-{next(_bucket_ids)}"
+        client.create_bucket(Bucket=bucket)
+        return Store(S3Backend(bucket, "store", client=client))
     return store_from_uri(request.getfixturevalue("s3_uri"))
 
 

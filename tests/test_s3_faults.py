@@ -133,3 +133,30 @@ def test_a_job_rides_out_its_s3_server_killed_and_restarted(zoo_dir, tmp_path, m
             assert not list(clean.backend.list("leases/"))
         finally:
             restarted.stop()
+
+
+def test_a_server_that_ignores_conditional_writes_is_refused_not_raced(s3_server, s3_uri):
+    """As if the server dropped `If-None-Match` (some S3 implementations do): the store probes
+    once, and refuses to publish leases or manifests rather than let two writers both win."""
+    from storage import Leases, Store, UnsafeStore
+    from storage.s3 import S3Backend
+
+    class Ignoring:  # the real client, minus the header the server would ignore
+        def __init__(self, client):
+            self._client = client
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+        def put_object(self, **kwargs):
+            kwargs.pop("IfNoneMatch", None)
+            return self._client.put_object(**kwargs)
+
+    bucket = urlparse(s3_uri).netloc
+    store = Store(S3Backend(bucket, "ignoring", client=Ignoring(s3_server.client())))
+    ref = store.put_bytes(b"artifact")  # plain writes still work
+    with pytest.raises(UnsafeStore, match="ignores conditional writes"):
+        store.publish_manifest("k", {"blobs": {"artifact": ref.to_dict()}})
+    with pytest.raises(UnsafeStore, match="refuses to publish"):
+        Leases(store.backend, "worker").try_acquire("k", 0)
+    assert store.get_manifest("k") is None and not list(store.backend.list("_probe/"))

@@ -1,4 +1,6 @@
-"""One conformance suite for every store backend: the local directory and a real S3 server."""
+"""One conformance suite for every store backend: the local directory and two S3 servers
+(SeaweedFS, and moto's server: both honour conditional writes; one that ignores them is refused,
+tests/test_s3_faults.py)."""
 from __future__ import annotations
 
 import hashlib

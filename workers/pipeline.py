@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import BlobRef, Lease, LeaseInfo, Leases, Store, StoreError
-from storage.store import CorruptBlob
+from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
 from storage.identities import get_identity, put_identity
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
@@ -144,7 +143,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
             result.status = "failed"
             result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
             # the store failing (after its own attempts) is the network's or the server's: in a moment it may not
-            result.transient = isinstance(e, StoreError) and not isinstance(e, CorruptBlob)
+            result.transient = isinstance(e, StoreError) and not isinstance(e, (CorruptBlob, UnsafeStore))
             result.retryable = result.transient or phases.current in ("fetch", "upload", "lease")
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
