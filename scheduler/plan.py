@@ -9,6 +9,7 @@ from pathlib import Path
 
 from scheduler.spec import JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
+from workers import tempdirs
 from workers.backends import LoweringError, resolve
 from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPolicy
 
@@ -16,7 +17,7 @@ from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPoli
 def ingest(store: Store, source: str) -> BlobRef:
     """Put a graph file (local path or URI) into the store; raise with a message for people."""
     if "://" in source and not source.startswith("file://"):
-        with tempfile.TemporaryDirectory(prefix="farm-ingest-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("ingest")) as tmp:
             local = Path(tmp) / "graph.pt2"
             try:
                 download_uri(source, local)
@@ -133,7 +134,7 @@ def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None
     programs = {u.graph: u for u in units if u.program is not None}
     if not asked or not programs:
         return
-    with tempfile.TemporaryDirectory(prefix="farm-check-") as tmp, Sandbox() as sandbox:  # graphs are hostile input
+    with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("check")) as tmp, Sandbox() as sandbox:  # graphs are hostile input
         wanted = [(i, where, sizes) for i, t in asked for where, sizes in t.autotune.specialize.items()]
         for graph, unit in sorted(programs.items()):
             program = store.fetch(unit.program.digest, Path(tmp) / "program.pt2")

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scheduler.spec import RETRIES
 from storage import CacheConfig, Store, store_from_uri
+from workers import tempdirs
 from workers.backends import LoweringError, Placement, offered_resources, resolve
 from workers.pipeline import lookup_unit, run_unit
 from workers.gang import GangComm, run_rank
@@ -38,6 +39,7 @@ POLL_S = 0.5
 # A unit's sandbox is killed at its timeout and the unit reported; the worker itself is only
 # killed if it has not answered this long after that (it is stuck outside the sandbox).
 WORKER_GRACE_S = 60.0
+CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class CompileWorker:
     """One per slot; runs units one at a time for as long as the job lasts."""
 
     def __init__(self, store_uri: str, limits: UnitLimits, device: str):
+        tempdirs.sweep_orphans()  # what a killed predecessor on this host left behind
         self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
         self.sandbox = Sandbox()  # warm across units; replaced after a unit that failed in it
@@ -65,6 +68,9 @@ class CompileWorker:
         result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
         return result
+
+    def close(self) -> None:
+        self.sandbox.close()
 
 
 _RemoteWorker = ray.remote(max_restarts=0, max_concurrency=2)(CompileWorker)  # resources: per placement
@@ -91,12 +97,15 @@ class GangMember:
         store = self.rendezvous or open_store(address[0], address[1], False, timeout)
         comm = GangComm(store, self.rank, gang.world_size, timeout)
         try:
-            with tempfile.TemporaryDirectory(prefix="farm-gang-") as tmp:
+            with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang")) as tmp:
                 result = run_rank(comm, gang, self.store, self.sandbox, self.host, Path(tmp))
         finally:
             comm.close()
         result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
+
+    def close(self) -> None:
+        self.sandbox.close()
 
 
 _RemoteGangMember = ray.remote(max_restarts=0)(GangMember)
@@ -187,8 +196,7 @@ class RayRunner:
         try:
             yield from self._drive(queues, events)
         finally:
-            for slot in self.slots:
-                ray.kill(slot.actor, no_restart=True)
+            _stop([slot.actor for slot in self.slots])
 
     def _place(self, units, store: Store, events, queues, sandbox: Sandbox) -> Iterator[tuple[Unit, UnitResult]]:
         """Queue each unit for its device class, after failing what cannot be placed and answering
@@ -334,6 +342,7 @@ class GangRunner:
         bundle, device = made
         pg = placement_group([bundle] * gang.world_size, strategy="PACK", name=f"{self.job_id}/gang/{gang.label}")
         actors: list = []
+        self._returned = False
         try:
             if not pg.wait(timeout_seconds=PLACE_S):
                 return [_failed(u, f"gang {gang.label}: Ray could not reserve {gang.world_size} bundles of {bundle} "
@@ -347,8 +356,7 @@ class GangRunner:
                 events.started(unit)
             return self._await(gang, actors)
         finally:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
+            _stop(actors, close=self._returned)  # ranks still in a collective cannot answer a close
             remove_placement_group(pg)
 
     def _await(self, gang: Gang, actors: list) -> list[UnitResult]:
@@ -375,11 +383,25 @@ class GangRunner:
             if time.monotonic() > deadline:
                 late = min(r for r in range(len(futures)) if r not in results)
                 return self._stopped(gang, late, f"still running {limit:g}s after the gang started")
+        self._returned = True
         return [results[r] for r in range(len(futures))]
 
     def _stopped(self, gang: Gang, rank: int, why: str) -> list[UnitResult]:
         return [_failed(u, f"gang {gang.label}: rank {rank} {why}; the gang was stopped", retryable=True)
                 for u in gang.ranks]
+
+
+def _stop(actors: list, close: bool = True) -> None:
+    """Let idle actors remove their sandboxes, then kill them all; then remove what workers
+    killed during the job left in this host's temp dir."""
+    if close and actors:
+        try:
+            ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=CLOSE_S)
+        except (RayActorError, ActorUnavailableError):
+            pass  # a dead actor has nothing to close; the sweep below cleans up after it
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    tempdirs.sweep_orphans()
 
 
 def _route(unit: Unit) -> Placement | None:

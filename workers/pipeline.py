@@ -33,6 +33,7 @@ from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, Store
 from storage.identities import get_identity, put_identity
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
+from workers import tempdirs
 from workers.autotune_share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
 from workers.keys import identity_variant, key_components, key_of
@@ -121,7 +122,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
     start = time.perf_counter()
     moved = store.transfer.copy()
     with contextlib.ExitStack() as held:
-        tmp = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="farm-unit-", dir=workdir)))
+        tmp = Path(held.enter_context(tempfile.TemporaryDirectory(prefix=tempdirs.prefix("unit"), dir=workdir)))
         sandbox = sandbox or held.enter_context(Sandbox())
         ctx = UnitContext(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
         try:

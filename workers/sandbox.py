@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from workers import tempdirs
 from workers.unit import UnitLimits
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ class Sandbox:
         if device == "cuda" and self._gpu_suspect:
             self._check_gpu()
         self._spawned = time.monotonic()
-        self._base = self._base or Path(tempfile.mkdtemp(prefix="farm-sandbox-"))
+        self._base = self._base or Path(tempfile.mkdtemp(prefix=tempdirs.prefix("sandbox")))
         home = self._base / f"home-{self.starts}"
         home.mkdir()
         read, write = os.pipe()
