@@ -2,7 +2,6 @@
 for the manifest, and a lease whose holder stopped renewing is taken over."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

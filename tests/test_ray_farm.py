@@ -155,7 +155,7 @@ def test_workers_that_die_while_starting_fail_their_units_after_bounded_restarts
                                                                                   monkeypatch):
     from scheduler import ray_pool
 
-    class BrokenNode:  # as a node with a bad FARM_CACHE_GB would: its workers die in their constructor
+    class BrokenNode(ray_pool.CompileWorker):  # as on a node with a bad FARM_CACHE_GB: workers die in their constructor
         def __init__(self, *args):
             raise ValueError("FARM_CACHE_GB='lots' is not a number of gigabytes")
 

@@ -235,7 +235,7 @@ class Sandbox:
         while got < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SandboxFailed(f"timeout: no answer within the unit's time limit; the sandbox was killed")
+                raise SandboxFailed("timeout: no answer within the unit's time limit; the sandbox was killed")
             ready, _, _ = select.select([self._replies], [], [], min(left, 1.0))
             if not ready:
                 continue

@@ -1,0 +1,267 @@
+"""A pool of long-lived workers per device class (a cluster resource such as `farm_cpu_avx2` or
+`farm_cuda_sm90`), one per slot, so a worker pays torch's start-up and Inductor's precompiled
+header once, not per unit; what a worker asks of the cluster is its backend's `Placement`.
+
+The rules, and their tests without a cluster (tests/test_pool.py):
+- a worker that dies mid-unit is replaced and its unit re-queued up to `retries` times;
+- workers of a device class that die while starting, `start_attempts` times in a row, fail
+  that class's queued units with the worker's own error;
+- a unit still running WORKER_GRACE_S past its timeout has its worker killed and replaced and
+  ends as failed with reason `timeout` (its sandbox normally ends it at the timeout itself);
+- every unit is reported exactly once.
+The cluster's calls go through `Cluster` (scheduler/ray_pool.py has Ray's).
+"""
+from __future__ import annotations
+
+import collections
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from scheduler.spec import RETRIES
+from storage import Store
+from workers.backends import LoweringError, Placement, resolve
+from workers.pipeline import lookup_unit, run_unit
+from workers.sandbox import Sandbox
+from workers.unit import Unit, UnitLimits, UnitResult
+
+POLL_S = 0.5
+# A unit's sandbox is killed at its timeout and the unit reported; the worker itself is only
+# killed if it has not answered this long after that (it is stuck outside the sandbox).
+WORKER_GRACE_S = 60.0
+
+
+DIED = (ActorDiedError, ActorUnavailableError, RayActorError)  # what `Cluster.get` raises for a dead actor
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    workers: int | None = None  # per device class; None: every slot the cluster offers
+    retries: int = RETRIES
+    # workers of one device class that die while starting, one after another, before its units
+    # fail with the worker's own error (a bad FARM_CACHE_GB or a broken import never heals)
+    start_attempts: int = 3
+
+
+@dataclass
+class _Slot:
+    resource: str
+    index: int
+    generation: int = 0
+    actor: object = None
+    ready: object = None  # future of the actor's first call: set while the actor starts
+    unit: Unit | None = None
+    retries: int = 0
+    future: object = None
+    started: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"farm-worker/{self.resource}/{self.index}.{self.generation}"
+
+
+@dataclass
+class _Pending:
+    unit: Unit
+    retries: int = 0
+
+
+class Cluster(Protocol):
+    """The calls the pool makes of its cluster (scheduler/ray_pool.py: Ray's; tests: a fake).
+    Futures are opaque; `get` raises one of DIED when the actor behind it is gone."""
+
+    def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str) -> Any: ...
+    def ready(self, actor: Any) -> Any: ...  # a future that resolves once the actor has started
+    def submit(self, actor: Any, unit: Unit) -> Any: ...  # a future of the unit's UnitResult
+    def wait(self, futures: list[Any], timeout: float) -> list[Any]: ...  # those of futures that are done
+    def get(self, future: Any) -> Any: ...
+    def pids(self, actors: list[Any]) -> list[int]: ...
+    def kill(self, actor: Any) -> None: ...
+    def offered(self) -> dict[str, float]: ...  # resources the cluster offers, e.g. {"CPU": 2, "farm_cpu_avx2": 2}
+    def stop(self, actors: list[Any]) -> None: ...  # at the end of a job
+
+
+@dataclass
+class WorkerPool:
+    """A runner (scheduler.jobs.Runner): units in, each unit's result out, as they finish."""
+
+    config: PoolConfig = field(default_factory=PoolConfig)
+    job_id: str = "job"
+    slots: list[_Slot] = field(default_factory=list)
+    cluster: Cluster | None = None
+    lookup_first: bool = False  # answer hits in this process before starting workers (see RayRunner)
+
+    def _start(self, slot: _Slot, resource: str) -> None:
+        slot.resource, slot.generation = resource, slot.generation + 1
+        placement, device = self._placements[resource]
+        slot.actor = self.cluster.start(f"{self.job_id}/{slot.name}", placement, self._store_uri, self._limits, device)
+        slot.ready = self.cluster.ready(slot.actor)
+        slot.unit = slot.future = None
+
+    def _restart(self, slot: _Slot, resource: str | None = None) -> None:
+        self.cluster.kill(slot.actor)
+        self._start(slot, resource or slot.resource)
+
+    def busy_workers(self) -> dict[str, int]:
+        """Unit id → PID of the worker compiling it (for operators and fault-injection tests)."""
+        busy = [s for s in list(self.slots) if s.ready is None and s.unit is not None]
+        return dict(zip([s.unit.unit_id for s in busy], self.cluster.pids([s.actor for s in busy])))
+
+    def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        self._store_uri = store.uri
+        self._limits = units[0].limits if units else UnitLimits()
+        self._placements: dict[str, tuple[Placement, str]] = {}  # device class → (placement, device)
+        queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
+        with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
+            yield from self._place(units, store, events, queues, sandbox)
+        self._offered = self.cluster.offered()
+        for resource in [r for r in queues if not self._can_place(r)]:
+            placement = self._placements[resource][0]
+            gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
+            for p in queues.pop(resource):
+                result = _failed(p.unit, f"no Ray node offers resource {resource!r}{gpus}, so nothing could build it; "
+                                         f"start a node that can with ray start --resources \"$(farm resources)\"",
+                                 retryable=True)
+                events.finished(p.unit, result)
+                yield p.unit, result
+        budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))
+        for i in range(budget):
+            resource = self._most_starved(queues)
+            if resource is None:
+                break
+            slot = _Slot(resource, i)
+            self._start(slot, resource)
+            self.slots.append(slot)
+        try:
+            yield from self._drive(queues, events)
+        finally:
+            self.cluster.stop([slot.actor for slot in self.slots])
+
+    def _place(self, units, store: Store, events, queues, sandbox: Sandbox) -> Iterator[tuple[Unit, UnitResult]]:
+        """Queue each unit for its device class, after failing what cannot be placed and answering
+        hits here when lookup_first is on."""
+        for unit in units:
+            placement = _route(unit)
+            resource = placement.device_class if placement else None
+            if placement is not None:
+                self._placements[resource] = (placement, resolve(unit.target).device)
+            if resource is None:  # cannot be placed anywhere: fail it here, quickly, with the reason
+                events.started(unit)
+                result = run_unit(unit, store, sandbox)
+                events.finished(unit, result)
+                yield unit, result
+            elif self.lookup_first and (hit := lookup_unit(unit, store, sandbox)) is not None:
+                events.finished(unit, hit)
+                yield unit, hit
+            else:
+                queues[resource].append(_Pending(unit))
+
+    def _can_place(self, resource: str) -> bool:
+        placement = self._placements[resource][0]
+        return int(self._offered.get(resource, 0)) > 0 and self._offered.get("GPU", 0) >= placement.gpus
+
+    def _most_starved(self, queues) -> str | None:
+        """The device class with the fewest workers per queued unit, among those with fewer workers
+        than both their queued units and the slots the cluster offers for them."""
+        workers = collections.Counter(s.resource for s in self.slots)
+        wanting = [r for r, q in queues.items() if workers[r] < min(int(self._offered.get(r, 0)), len(q))]
+        return min(wanting, key=lambda r: (workers[r] / len(queues[r]), r), default=None)
+
+    def _give_up(self, slot: _Slot, queued, error: str, events) -> Iterator[tuple[Unit, UnitResult]]:
+        """A device class whose workers keep dying while they start: its queued units fail with
+        the worker's error, and its workers that are still starting are stopped."""
+        for other in [s for s in self.slots if s.resource == slot.resource and s.future is None]:
+            self.cluster.kill(other.actor)
+            self.slots.remove(other)
+        for p in queued:
+            result = _failed(p.unit, f"workers for {slot.resource} died while starting {self.config.start_attempts} "
+                                     f"times in a row; the last said: {error}", retryable=True)
+            result.retries = p.retries
+            events.finished(p.unit, result)
+            yield p.unit, result
+
+    def _drive(self, queues, events) -> Iterator[tuple[Unit, UnitResult]]:
+        failed_starts: collections.Counter[str] = collections.Counter()  # per device class, in a row
+        while any(queues.values()) or any(s.future is not None for s in self.slots):
+            for slot in self.slots:
+                if slot.ready is not None or slot.future is not None:
+                    continue
+                if not queues.get(slot.resource):  # nothing left for its class: move it where work waits
+                    target = self._most_starved(queues)
+                    if target is not None and target != slot.resource:
+                        self._restart(slot, target)
+                    continue
+                p = queues[slot.resource].popleft()
+                slot.unit, slot.retries, slot.started = p.unit, p.retries, time.monotonic()
+                slot.future = self.cluster.submit(slot.actor, p.unit)
+                events.started(p.unit)
+            waiting = [s.ready for s in self.slots if s.ready is not None] + [s.future for s in self.slots if s.future is not None]
+            ready = self.cluster.wait(waiting, POLL_S) if waiting else []
+            for slot in list(self.slots):
+                if slot in self.slots and slot.ready is not None and slot.ready in ready:  # not given up meanwhile
+                    try:
+                        self.cluster.get(slot.ready)
+                        slot.ready = None
+                        failed_starts[slot.resource] = 0
+                    except DIED as e:
+                        failed_starts[slot.resource] += 1
+                        if failed_starts[slot.resource] < self.config.start_attempts:
+                            self._restart(slot)  # died while starting: try a fresh one
+                        else:
+                            yield from self._give_up(slot, queues.pop(slot.resource, ()), _worker_error(e), events)
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.future is None:
+                    continue
+                unit, retries = slot.unit, slot.retries
+                if slot.future in ready:
+                    try:
+                        result = self.cluster.get(slot.future)
+                        slot.unit = slot.future = None
+                    except DIED as e:
+                        self._restart(slot)
+                        if retries < self.config.retries:
+                            queues[slot.resource].appendleft(_Pending(unit, retries + 1))
+                            events.retried(unit)
+                            continue
+                        result = _failed(unit, f"its worker died {retries + 1} times (last: {type(e).__name__}); "
+                                               f"see the Ray dashboard's logs for the node", retryable=True)
+                    except RayTaskError as e:  # a bug in the pipeline, not in the unit
+                        slot.unit = slot.future = None
+                        result = _failed(unit, f"worker raised {e.cause!r}")
+                elif now - slot.started > (limit := unit.limits.timeout_s) + WORKER_GRACE_S:
+                    self._restart(slot)
+                    result = _failed(unit, f"timeout: still running {WORKER_GRACE_S:g}s after its {limit:g}s limit, "
+                                           f"outside its sandbox; its worker was replaced")
+                else:
+                    continue
+                result.retries = retries
+                events.finished(unit, result)
+                yield unit, result
+
+
+def _route(unit: Unit) -> Placement | None:
+    if unit.program is None:
+        return None
+    try:
+        return resolve(unit.target).placement(unit.target)
+    except LoweringError:
+        return None
+
+
+def _worker_error(e: Exception) -> str:
+    """What a worker that died while starting raised (the last `SomeError: ...` line Ray quotes),
+    or Ray's own account of its death."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)]
+    return (raised or lines or [type(e).__name__])[-1][:500]
+
+
+def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:
+    if message.startswith("gang "):
+        return UnitResult(unit.graph, unit.target.label, "failed", error=message, retryable=retryable)
+    return UnitResult(unit.graph, unit.target.label, "failed", error=f"graph {unit.graph} ({unit.target.label}): {message}",
+                      retryable=retryable)

@@ -1,0 +1,143 @@
+"""The worker pool's rules (retry, restart, give up, timeout, exactly one result per unit) on a
+fake cluster: fast, no Ray. The same rules on a real Ray cluster: tests/test_ray_farm.py."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from scheduler import pool
+from scheduler.jobs import NoEvents
+from scheduler.pool import PoolConfig, WorkerPool
+from storage import BlobRef
+from workers.unit import Target, Unit, UnitLimits, UnitResult
+
+
+@dataclass
+class Future:
+    value: Any = None
+    error: BaseException | None = None
+    done: bool = True
+
+
+class FakeCluster:
+    """Workers that start (or die starting) and run units (or die, or hang) as the test says."""
+
+    def __init__(self, starts: Callable[[int], str] = lambda n: "ok", runs: Callable[[Unit, int], str] = lambda u, n: "ok"):
+        self.starts, self.runs = starts, runs
+        self.started, self.killed, self.stopped = 0, [], []
+        self.attempts: Counter = Counter()
+        self._ids = itertools.count()
+
+    def start(self, name, placement, store_uri, limits, device):
+        self.started += 1
+        return {"id": next(self._ids), "name": name, "dies": self.starts(self.started) != "ok"}
+
+    def ready(self, actor):
+        return _died_with(ValueError("FARM_CACHE_GB='lots' is not a number")) if actor["dies"] else Future(actor["id"])
+
+    def submit(self, actor, unit):
+        self.attempts[unit.unit_id] += 1
+        what = self.runs(unit, self.attempts[unit.unit_id])
+        if what == "die":
+            return Future(error=ActorDiedError())
+        if what == "hang":
+            return Future(done=False)
+        return Future(value=UnitResult(unit.graph, unit.target.label, "compiled", key="k-" + unit.graph))
+
+    def wait(self, futures, timeout):
+        done = [f for f in futures if f.done]
+        if not done:
+            time.sleep(0.01)
+        return done
+
+    def get(self, future):
+        if future.error is not None:
+            raise future.error
+        return future.value
+
+    def pids(self, actors):
+        return [a["id"] for a in actors]
+
+    def kill(self, actor):
+        self.killed.append(actor["id"])
+
+    def offered(self):
+        return {"CPU": 2.0, "farm_cpu_avx2": 2.0}
+
+    def stop(self, actors):
+        self.stopped = [a["id"] for a in actors]
+
+
+def _died_with(error: BaseException) -> Future:
+    """As Ray reports an actor whose constructor raised."""
+    trace = f"Traceback (most recent call last):\n  File \"ray_pool.py\", line 1, in __init__\n{type(error).__name__}: {error}"
+    return Future(error=ActorDiedError(RayTaskError("CompileWorker.__init__", trace, error)))
+
+
+def _units(n: int, timeout_s: float = 1800.0) -> list[Unit]:
+    return [Unit(f"g{i}", f"g{i}.pt2", Target("aoti-cpu", "avx2"), BlobRef("0" * 64, 1), limits=UnitLimits(timeout_s=timeout_s))
+            for i in range(n)]
+
+
+def _run(cluster: FakeCluster, units: list[Unit], **config) -> dict[str, UnitResult]:
+    runner = WorkerPool(PoolConfig(**config), job_id="fake", cluster=cluster)
+    results = list(runner(units, store=_NoStore(), events=NoEvents()))
+    ids = [u.unit_id for u, _ in results]
+    assert sorted(ids) == sorted(u.unit_id for u in units)  # every unit reported exactly once
+    return {u.unit_id: r for u, r in results}
+
+
+class _NoStore:
+    uri = "fake://store"
+
+
+def test_a_unit_whose_worker_dies_is_requeued_then_fails_after_its_retries():
+    cluster = FakeCluster(runs=lambda unit, n: "die" if unit.graph == "g0" else "ok")
+    results = _run(cluster, _units(3), retries=2)
+    assert results["g0@aoti-cpu:avx2"].status == "failed" and results["g0@aoti-cpu:avx2"].retries == 2
+    assert "its worker died 3 times" in results["g0@aoti-cpu:avx2"].error
+    assert cluster.attempts["g0@aoti-cpu:avx2"] == 3 and len(cluster.killed) == 3  # each dead worker replaced
+    assert [results[f"g{i}@aoti-cpu:avx2"].status for i in (1, 2)] == ["compiled", "compiled"]
+
+
+def test_a_unit_that_dies_once_succeeds_on_its_retry():
+    cluster = FakeCluster(runs=lambda unit, n: "die" if n == 1 else "ok")
+    results = _run(cluster, _units(2), retries=1)
+    assert all(r.status == "compiled" and r.retries == 1 for r in results.values())
+
+
+def test_workers_dying_while_starting_are_restarted_a_bounded_number_of_times():
+    cluster = FakeCluster(starts=lambda n: "die")
+    results = _run(cluster, _units(4), start_attempts=3)
+    assert cluster.started == 3 + 1  # two slots started; one restarted until the third failure in a row
+    for r in results.values():
+        assert r.status == "failed" and "died while starting 3 times in a row" in r.error
+        assert "ValueError: FARM_CACHE_GB='lots' is not a number" in r.error
+
+
+def test_a_worker_that_starts_after_failures_resets_the_count():
+    cluster = FakeCluster(starts=lambda n: "die" if n in (1, 3) else "ok")  # never two in a row
+    results = _run(cluster, _units(3), start_attempts=2)
+    assert all(r.status == "compiled" for r in results.values())
+
+
+def test_a_unit_stuck_past_its_timeout_fails_and_its_worker_is_replaced(monkeypatch):
+    monkeypatch.setattr(pool, "WORKER_GRACE_S", 0.0)
+    cluster = FakeCluster(runs=lambda unit, n: "hang" if unit.graph == "g1" else "ok")
+    results = _run(cluster, _units(3, timeout_s=0.2))
+    stuck = results["g1@aoti-cpu:avx2"]
+    assert stuck.status == "failed" and stuck.error.startswith("graph g1 (aoti-cpu:avx2): timeout")
+    assert cluster.killed and all(results[f"g{i}@aoti-cpu:avx2"].status == "compiled" for i in (0, 2))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_unit_is_reported_once_and_the_workers_are_stopped(workers):
+    cluster = FakeCluster()
+    results = _run(cluster, _units(5), workers=workers)
+    assert len(results) == 5 and cluster.started == workers and len(cluster.stopped) == workers
