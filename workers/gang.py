@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from storage import Lease, Store
+from storage import Lease, Store, StoreError
 from storage.identities import put_identity
 from workers.backends import LoweringError
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
@@ -138,7 +138,7 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
 def _keep_record(tuning: GangTuning, result: UnitResult, store: Store) -> None:
     try:
         tuning.record(result, store)
-    except OSError as e:  # the record is for people and later jobs; losing it must not change the outcome
+    except (StoreError, OSError) as e:  # the record is for people and later jobs; losing it changes no outcome
         log.warning("gang %s: tuning record not kept: %s", tuning.gang, e)
 
 
@@ -189,7 +189,7 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
         marks = tuple(sorted(w for w, seen in observed.items() if len(seen) > 1))
         unit = replace(unit, target=replace(unit.target, mark_dynamic=marks))
     has_collectives = any(f["collectives"] for f in facts_of)
-    shares_tuning = bool(gang.candidates[comm.rank::comm.world_size]) if gang.candidates else False
+    shares_tuning = bool(gang.candidates[comm.rank::comm.world_size])
     if has_collectives or shares_tuning:  # a rank that read nothing compiles or verifies: start its sandbox now
         sandbox.prestart(unit.limits, gang.device)
     return unit, has_collectives

@@ -43,6 +43,8 @@ from workers.unitlog import UnitLog
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
 MAX_FACTS = 64 << 10
+
+
 class UnitFailed(Exception):
     def __init__(self, message: str, retryable: bool = False):
         super().__init__(message)
@@ -358,25 +360,22 @@ def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verifi
         return
     identify_program(ctx, expect={k: v for k, v in result.components["program"].items()})
     artifact = store.fetch(result.artifact.digest, ctx.tmp / "artifact")
-    if recheck and not swap:  # the swap's check below runs at this job's tolerances too
-        log.note(f"{looser}: verifying the stored artifact again")
+    if swap or recheck:  # one check, at this job's tolerances, with this checkpoint's weights
+        log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})"
+                 if swap else f"{looser}: verifying the stored artifact again")
         with ctx.phase("verify"):
             try:
                 check_artifact(ctx, artifact, verify_it=True, bench_it=False)
             except UnitFailed as e:
-                raise UnitFailed(f"{looser}, and it fails them: {e}. The key is the same at any tolerance: loosen "
-                                 f"verify.atol/rtol, or change the target's options to build another artifact") from None
-    if swap:
-        log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})")
-        with ctx.phase("verify"):
-            try:
-                check_artifact(ctx, artifact, verify_it=True, bench_it=False)
-            except UnitFailed as e:
+                if recheck:
+                    raise UnitFailed(f"{looser}, and it fails them: {e}. The key is the same at any tolerance: loosen "
+                                     f"verify.atol/rtol, or change the target's options to build another artifact") from None
                 raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: {e}. "
                                  f"Report it: the key should have told them apart") from None
-        result.metrics.update(weights_swapped=1.0)
-    if recheck:
-        result.note = f"{looser}; verified again here at this job's tolerances"
+        if swap:
+            result.metrics.update(weights_swapped=1.0)
+        if recheck:
+            result.note = f"{looser}; verified again here at this job's tolerances"
     if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
         with ctx.phase("benchmark"):
             check_artifact(ctx, artifact, verify_it=False, bench_it=True)
