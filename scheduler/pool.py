@@ -24,7 +24,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from scheduler.spec import RETRIES
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
-from workers.pipeline import lookup_unit, run_unit
+from workers.lookup import lookup_unit
+from workers.pipeline import run_unit
 from workers.sandbox import Sandbox
 from workers.unit import Unit, UnitLimits, UnitResult
 

@@ -45,8 +45,9 @@ from workers.backends import LoweringError
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
 from workers.gang_tune import GangTuning, NoCandidate, tune
 from workers.keys import identity_variant
-from workers.pipeline import (Compiled, UnitContext, UnitFailed, check_artifact, claim_key, identify_program, lookup_unit,
-                              lower_unit, parse_identity, run_unit, take_hit, unit_key)
+from workers.lookup import UnitFailed, find, identify_in, lookup_unit, parse_identity
+from workers.pipeline import (Compiled, UnitContext, check_artifact, claim_key, identify_program, lower_unit, run_unit,
+                              take_hit, unit_key)
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import Gang, Unit, UnitResult
 
@@ -110,7 +111,7 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     unit = gang.ranks[rank]
     try:
         unit, has_collectives = _agree(comm, gang, unit, store, sandbox, workdir)
-        leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox), "fingerprints"))
+        leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox, workdir), "fingerprints"))
 
         def compile_as(unit: Unit) -> UnitResult:
             if has_collectives:
@@ -195,11 +196,13 @@ def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbo
     return unit, has_collectives
 
 
-def _fingerprint(unit: Unit, store: Store, sandbox: Sandbox) -> dict[str, Any]:
+def _fingerprint(unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> dict[str, Any]:
     """The rank's key after the agreement (identical programs for one target share it), or why
-    it has none; computing it compiles nothing."""
-    result = run_unit(unit, store, sandbox, hits_only=True)
-    return {"key": result.key, "error": result.error if result.status == "failed" else None}
+    it has none; computing it compiles nothing (the identity the reader kept names the program)."""
+    try:
+        return {"key": find(unit, store, identify_in(sandbox, unit, store, workdir)).key, "error": None}
+    except (UnitFailed, SandboxFailed, LoweringError, StoreError, OSError) as e:
+        return {"key": None, "error": f"graph {unit.graph} ({unit.target.label}): {e}"}
 
 
 def _leaders(fingerprints: list[dict[str, Any]]) -> list[int]:
@@ -248,14 +251,14 @@ class _Lockstep:
             self.comm.post(f"{self.tag}/published/{self.comm.rank}", _outcome(result))
         return result
 
-    def body(self, ctx: UnitContext, held: contextlib.ExitStack, hits_only: bool) -> Compiled | None:
+    def body(self, ctx: UnitContext, held: contextlib.ExitStack) -> Compiled | None:
         rank, unit, store, result = self.comm.rank, ctx.unit, ctx.store, ctx.result
         leader = self.leaders[rank]
         lowered, facts, manifest, mine = None, {}, None, {"digest": None, "hit": False, "error": None}
         identity, built_with = None, ""
         try:
-            identity, built_with = unit_key(ctx)
-            manifest = store.get_manifest(result.key)
+            found = unit_key(ctx)
+            identity, built_with, manifest = found.identity, found.built_with, found.manifest
             if manifest is None and leader == rank:
                 lowered, facts, manifest = self._lower(ctx, held, identity)
             if manifest is not None:  # a hit, unless it must be verified again (at this job's tolerances): together

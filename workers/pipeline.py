@@ -1,6 +1,7 @@
 """The life of one unit, as a plain function of (unit, store, sandbox) that runs in any process:
 
-    fetch → identify → key → (hit? stop) → lease → lower → verify → benchmark → upload → publish
+    lookup (identify → key → manifest: workers/lookup.py) → (hit? check it if the job asks
+    for more than the manifest says, then stop) → lease → lower → verify → benchmark → publish
 
 Everything that touches the graph or the artifact (identify, lower, verify, benchmark) runs
 in the sandbox child (workers/sandbox.py, workers/steps.py); this process only talks to the
@@ -19,7 +20,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import re
 import secrets
 import socket
 import tempfile
@@ -29,26 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
-from storage.identities import get_identity, put_identity
+from storage import CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers import tempdirs
 from workers.autotune_share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
-from workers.keys import identity_variant, key_components, key_of
+from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
 
-DIGEST = re.compile(r"[0-9a-f]{64}")
 MAX_FACTS = 64 << 10
-
-
-class UnitFailed(Exception):
-    def __init__(self, message: str, retryable: bool = False):
-        super().__init__(message)
-        self.retryable = retryable
 
 
 class Phases:
@@ -66,10 +58,6 @@ class Phases:
             yield
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
-
-
-class _Miss(Exception):
-    """Raised in a hits-only lookup when the key has no manifest."""
 
 
 @dataclass
@@ -105,17 +93,8 @@ class UnitContext:
         return path
 
 
-def lookup_unit(unit: Unit, store: Store, sandbox: Sandbox) -> UnitResult | None:
-    """The unit's result if its key is already in the store (a hit), else None; compiles nothing.
-
-    A scheduler whose own process computes keys exactly as its workers would (same toolchain)
-    can answer hits without starting any worker."""
-    result = run_unit(unit, store, sandbox, hits_only=True)
-    return result if result.status == "hit" else None
-
-
 def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: Path | None = None,
-             hits_only: bool = False, body: Body | None = None) -> UnitResult:
+             body: Body | None = None) -> UnitResult:
     """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds).
     `body` replaces the stages up to publishing (a gang's rank verifies in lockstep, workers/gang.py)."""
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
@@ -129,13 +108,10 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
         ctx = UnitContext(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
         try:
             with log.capture():  # ends before publishing, so the published log is complete
-                ready = (body or _compile)(ctx, held, hits_only)
+                ready = (body or _compile)(ctx, held)
             if ready is not None:
                 with phases("upload"):
                     _publish(unit, store, ready, log, result, phases.timings)
-        except _Miss:
-            result.status = "skipped"  # a hits-only lookup that found no manifest
-            return result
         except (UnitFailed, LoweringError, UntrustedDocument) as e:
             result.status, result.error = "failed", f"graph {unit.graph} ({unit.target.label}): {e}"
             result.retryable = getattr(e, "retryable", False)
@@ -169,46 +145,29 @@ class Compiled:
     built_with: str  # digest of the weight values the artifact was built and verified with
 
 
-Body = Callable[[UnitContext, contextlib.ExitStack, bool], "Compiled | None"]
+Body = Callable[[UnitContext, contextlib.ExitStack], "Compiled | None"]
 
 
-def unit_key(ctx: UnitContext) -> tuple[dict[str, str], str]:
-    """Name the program (from the store, or by loading it in the sandbox) and compute the unit's
-    key into the result; returns the identity and the weights the program carries."""
-    unit, store, result, log = ctx.unit, ctx.store, ctx.result, ctx.log
-    if unit.program is None:
-        raise UnitFailed(unit.ingest_error or f"{unit.source} could not be read")
-    ctx.backend = resolve(unit.target)
-
-    variant = identity_variant(unit.target.weights, unit.specialize, unit.agreed)
-    known = get_identity(store, unit.program.digest, variant)
-    if known is not None:  # this archive was loaded by a sandbox before: a plain hit needs no sandbox
-        identity, built_with = parse_identity(known)
-        log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
-    else:
-        identity, built_with = identify_program(ctx)
-        put_identity(store, unit.program.digest, variant, {"identity": identity, "built_with": built_with})
-    with ctx.phase("load"):
-        result.components = key_components(identity, ctx.backend.target_components(unit.target), unit.target.options_dict,
-                                           ctx.backend.toolchain(unit.target))
-        result.key = key_of(result.components)
-    log.note(f"key {result.key} (weights: {unit.target.weights})")
-    return identity, built_with
+def unit_key(ctx: UnitContext) -> Found:
+    """The lookup (workers/lookup.py) for this unit, its program loaded in the unit's sandbox if
+    the store does not know its identity; the key lands in the result."""
+    ctx.backend = resolve(ctx.unit.target)
+    found = find(ctx.unit, ctx.store, lambda: identify_program(ctx))
+    if found.identity_known:
+        ctx.log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
+    ctx.result.components, ctx.result.key = found.components, found.key
+    ctx.log.note(f"key {found.key} (weights: {ctx.unit.target.weights})")
+    return found
 
 
-def _compile(ctx: UnitContext, held: contextlib.ExitStack, hits_only: bool = False) -> Compiled | None:
+def _compile(ctx: UnitContext, held: contextlib.ExitStack) -> Compiled | None:
     unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
-    identity, built_with = unit_key(ctx)
-
-    manifest = store.get_manifest(result.key)
-    if manifest is not None and hits_only and not unit.verify.covers(manifest):
-        raise _Miss  # to be verified again at this job's tolerances, which a lookup does not do
-    if manifest is not None:
+    found = unit_key(ctx)
+    identity, built_with = found.identity, found.built_with
+    if found.manifest is not None:
         log.note("hit: a manifest exists, nothing to compile")
-        take_hit(ctx, manifest, built_with)
+        take_hit(ctx, found.manifest, built_with)
         return None
-    if hits_only:
-        raise _Miss
 
     problem = ctx.backend.host_problem(unit.target)
     if problem:
@@ -267,17 +226,6 @@ def identify_program(ctx: UnitContext, expect: dict[str, str] | None = None) -> 
         raise UnitFailed(f"the program's identity recorded in the store for archive {ctx.unit.program.digest} is not "
                          f"what loading it gives now; remove programs/{ctx.unit.program.digest}/ from the store")
     return ctx.identified
-
-
-def parse_identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:
-    """The identity in a sandbox's answer or a stored identity document, if it is well formed."""
-    identity = reply.get("identity")
-    if not isinstance(identity, dict) or not all(DIGEST.fullmatch(str(identity.get(k))) for k in ("program", "graph", "weights")):
-        raise UnitFailed("the program's identity (from the sandbox or the store) does not name its content")
-    built_with = str(reply.get("built_with"))
-    if not DIGEST.fullmatch(built_with):
-        raise UnitFailed("the program's identity (from the sandbox or the store) does not name its weights")
-    return {k: str(identity[k]) for k in ("program", "graph", "weights", "weights_mode")}, built_with
 
 
 def check_artifact(ctx: UnitContext, artifact: Path, verify_it: bool, bench_it: bool) -> list[str]:
@@ -340,13 +288,7 @@ def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verifi
         result.note = looser + ("; verified again here at this job's tolerances" if verified_here else
                                 f"; its recorded max error {manifest['metrics']['max_abs_err']:.3g} is within them")
         log.note(f"hit: {result.note}")
-    result.status = "hit"
-    result.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
-    result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
-    result.metrics.update(manifest.get("metrics", {}))
-    timings = manifest.get("timings", {})
-    result.saved_s = manifest.get("compile_s", sum(timings.get(p, 0.0) for p in COMPILE_PHASES))
-    result.device = manifest.get("device")
+    fill_hit(result, manifest)
     stored_with = manifest.get("weights", {}).get("built_with")
     swap = unit.target.weights == "shapes" and stored_with != built_with and not verified_here
     if unit.target.candidate is None and not swap and not recheck:  # a plain hit: the manifest says it all
