@@ -45,9 +45,9 @@ from workers.backends import LoweringError
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
 from workers.gang_tune import GangTuning, NoCandidate, tune
 from workers.keys import identity_variant
-from workers.lookup import UnitFailed, find, identify_in, lookup_unit, parse_identity
-from workers.pipeline import (Compiled, UnitContext, check_artifact, claim_key, identify_program, lower_unit, run_unit,
-                              take_hit, unit_key)
+from workers.lookup import Found, UnitFailed, find, identify_in, lookup_unit, parse_identity
+from workers.pipeline import (Checked, Compiled, Lowered, Outcome, UnitContext, check_artifact, claim_key, identify_program,
+                              lower_unit, publish, run_unit, take_hit, unit_key)
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import Gang, Unit, UnitResult
 
@@ -251,20 +251,36 @@ class _Lockstep:
             self.comm.post(f"{self.tag}/published/{self.comm.rank}", _outcome(result))
         return result
 
-    def body(self, ctx: UnitContext, held: contextlib.ExitStack) -> Compiled | None:
-        rank, unit, store, result = self.comm.rank, ctx.unit, ctx.store, ctx.result
-        leader = self.leaders[rank]
-        lowered, facts, manifest, mine = None, {}, None, {"digest": None, "hit": False, "error": None}
-        identity, built_with = None, ""
+    def body(self, ctx: UnitContext) -> Outcome:
+        """A leader that finds no manifest claims the key; it holds the lease (one `with`) from
+        lowering until it has published what every rank verified."""
+        rank, unit = self.comm.rank, ctx.unit
+        found, claim, error = None, None, None
         try:
             found = unit_key(ctx)
-            identity, built_with, manifest = found.identity, found.built_with, found.manifest
-            if manifest is None and leader == rank:
-                lowered, facts, manifest = self._lower(ctx, held, identity)
-            if manifest is not None:  # a hit, unless it must be verified again (at this job's tolerances): together
+            claim = found.manifest
+            if claim is None and self.leaders[rank] == rank:
+                problem = ctx.backend.host_problem(unit.target)
+                if problem:
+                    raise UnitFailed(problem, retryable=True)
+                claim = claim_key(ctx, found.key)  # or the manifest another job published while we waited
+        except (UnitFailed, LoweringError, OSError) as e:
+            error = str(e)
+        with claim if isinstance(claim, Lease) else contextlib.nullcontext():
+            return self._together(ctx, found, claim, error)
+
+    def _together(self, ctx: UnitContext, found: Found | None, claim: Lease | dict[str, Any] | None,
+                  error: str | None) -> Outcome:
+        rank, unit, store = self.comm.rank, ctx.unit, ctx.store
+        leader = self.leaders[rank]
+        lowered, manifest = None, claim if isinstance(claim, dict) else None
+        mine = {"digest": None, "hit": False, "error": error}
+        try:
+            if isinstance(claim, Lease):
+                lowered = self._lower(ctx, found.identity)
+                mine["digest"] = store.put_file(lowered.artifact).digest  # a blob, not a publication: for the ranks sharing it
+            elif manifest is not None:  # a hit, unless it must be verified again (at this job's tolerances): together
                 mine.update(hit=unit.verify.covers(manifest), digest=manifest["blobs"]["artifact"]["digest"])
-            elif lowered is not None:  # a blob, not a publication: the ranks sharing this graph fetch it
-                mine["digest"] = store.put_file(lowered).digest
         except (UnitFailed, LoweringError, OSError) as e:
             mine["error"] = str(e)
         self.comm.post(f"{self.tag}/lowered/{rank}", mine)
@@ -274,41 +290,31 @@ class _Lockstep:
         if broken:
             raise UnitFailed("ranks without an artifact, so the gang cannot verify: " + "; ".join(broken))
         if all(e["hit"] for e in everyone):
-            take_hit(ctx, manifest, built_with)
-            return None
-        artifact = lowered or store.fetch(everyone[leader]["digest"], ctx.tmp / "artifact")
-        identify_program(ctx, expect=identity)
+            return take_hit(ctx, manifest, found.built_with)
+        artifact = lowered.artifact if lowered else store.fetch(everyone[leader]["digest"], ctx.tmp / "artifact")
+        identify_program(ctx, expect=found.identity)
         checked = self._verify_together(ctx, artifact)
         if lowered is not None:
-            return Compiled(lowered, result.components, facts, checked, built_with)
+            return publish(ctx, Compiled(lowered, checked, found.built_with))
         if manifest is None:  # the leader publishes once every rank verified
             [said] = self.comm.await_posts([f"{self.tag}/published/{leader}"], unit.limits.timeout_s,
                                            f"rank {leader} to publish")
-            manifest = store.get_manifest(result.key)
+            manifest = store.get_manifest(found.key)
             if manifest is None:
                 raise UnitFailed(f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
                                  f"{said['error']}")
-        take_hit(ctx, manifest, built_with, verified_here=True)
-        return None
+        return take_hit(ctx, manifest, found.built_with, verified_here=True)
 
-    def _lower(self, ctx: UnitContext, held: contextlib.ExitStack, identity: dict[str, str]):
-        problem = ctx.backend.host_problem(ctx.unit.target)
-        if problem:
-            raise UnitFailed(problem, retryable=True)
-        claim = claim_key(ctx.unit, ctx.store, ctx.result.key, ctx.log, ctx.phase)
-        if not isinstance(claim, Lease):
-            return None, {}, claim  # another job published it while we waited
-        held.enter_context(claim)
+    def _lower(self, ctx: UnitContext, identity: dict[str, str]) -> Lowered:
         identify_program(ctx, expect=identity)
         ctx.step("gang_stand_in", rank=self.comm.rank, world_size=self.gang.world_size)
         try:
-            artifact, facts = lower_unit(ctx)
+            return lower_unit(ctx)
         finally:  # the stand-in group's name stays registered in that child: verify in a fresh one
             ctx.sandbox.retire(ctx.unit.limits, self.gang.device)
             ctx.identified = None
-        return artifact, facts, None
 
-    def _verify_together(self, ctx: UnitContext, artifact: Path) -> list[str]:
+    def _verify_together(self, ctx: UnitContext, artifact: Path) -> Checked:
         """Verify, then benchmark, every rank's artifact at once in the sandboxes' process group.
 
         A running AOTInductor model holds the GIL while it waits on a collective, and gloo's
@@ -328,7 +334,7 @@ class _Lockstep:
                                      f"if the rank graphs take longer to run)") from None
         raise AssertionError("unreachable")
 
-    def _check_together(self, ctx: UnitContext, artifact: Path) -> list[str]:
+    def _check_together(self, ctx: UnitContext, artifact: Path) -> Checked:
         comm, timeout = self.comm, self.gang.collective_timeout_s
         unit_deadline = ctx.deadline
         try:
@@ -337,14 +343,14 @@ class _Lockstep:
             ctx.step("gang_join", host=host, port=port, rank=comm.rank, world_size=self.gang.world_size,
                      timeout_s=timeout, on=self.gang.device)
             identify_program(ctx)  # the fresh child has not loaded the program yet
-            checked = []
+            checked = Checked([], {})
             for what in ("verify", "benchmark"):
                 problem = None
                 ctx.deadline = min(unit_deadline, time.monotonic() + timeout)
                 with ctx.phase(what):
                     try:
-                        checked = check_artifact(ctx, artifact, verify_it=what == "verify",
-                                                 bench_it=what == "benchmark") or checked
+                        checked = checked.then(check_artifact(ctx, artifact, verify_it=what == "verify",
+                                                              bench_it=what == "benchmark"))
                     except UnitFailed as e:
                         problem = str(e)
                 ctx.deadline = unit_deadline

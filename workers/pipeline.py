@@ -1,7 +1,10 @@
 """The life of one unit, as a plain function of (unit, store, sandbox) that runs in any process:
 
     lookup (identify → key → manifest: workers/lookup.py) → (hit? check it if the job asks
-    for more than the manifest says, then stop) → lease → lower → verify → benchmark → publish
+    for more than the manifest says, then stop) → with the lease: lower → verify → benchmark → publish
+
+Each stage returns what it found, made or measured (`Found`, `Lowered`, `Checked`, `Hit`,
+`Published`); `run_unit` alone turns the outcome, or the failure, into the unit's result.
 
 Everything that touches the graph or the artifact (identify, lower, verify, benchmark) runs
 in the sandbox child (workers/sandbox.py, workers/steps.py); this process only talks to the
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
+from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers import tempdirs
@@ -62,23 +65,26 @@ class Phases:
 
 @dataclass
 class UnitContext:
-    """What every stage of one unit needs."""
+    """What every stage of one unit needs. Stages return what they found, made and measured;
+    `run_unit` alone turns that into the unit's result."""
     unit: Unit
     store: Store
     sandbox: Sandbox
     tmp: Path
     log: UnitLog
     phase: Phases
-    result: UnitResult
     deadline: float  # monotonic: the sandbox is killed past it
     backend: Backend = field(init=False)
+    found: Found | None = None  # the lookup's answer, kept so that a failure still reports the key
     identified: tuple[dict[str, str], str] | None = None  # what the sandbox said the program is
 
     def step(self, name: str, **kwargs: Any) -> dict[str, Any]:
-        """Run a step in the sandbox; its output goes to the unit log, its failure fails the unit."""
+        """Run a step in the sandbox; its output, and what this process printed meanwhile, go to
+        the unit log; its failure fails the unit."""
         try:
-            reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline, device=self.backend.device,
-                                      unit=self.unit, **kwargs)
+            with self.log.capture():
+                reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline,
+                                          device=self.backend.device, unit=self.unit, **kwargs)
         except SandboxFailed as e:
             self.log.output(e.output, "the sandbox")
             raise UnitFailed(str(e), e.retryable) from None
@@ -93,10 +99,58 @@ class UnitContext:
         return path
 
 
+Metrics = dict[str, float]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    artifact: Path
+    facts: dict[str, Any]  # what the backend says about the artifact (for the manifest)
+    metrics: Metrics  # autotuning counts
+
+
+@dataclass(frozen=True)
+class Checked:
+    inputs: list[str]  # what the artifact was verified on
+    metrics: Metrics
+    device: dict[str, Any] | None = None  # the device fingerprint its latencies were measured on
+
+    def then(self, later: Checked) -> Checked:
+        return Checked(self.inputs or later.inputs, {**self.metrics, **later.metrics}, later.device or self.device)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """An artifact that verified, ready to publish."""
+    lowered: Lowered
+    checked: Checked
+    built_with: str  # digest of the weight values the artifact was built and verified with
+
+
+@dataclass(frozen=True)
+class Hit:
+    manifest: dict[str, Any]
+    metrics: Metrics = field(default_factory=dict)  # on top of the manifest's: measured since it was published, or here
+    device: dict[str, Any] | None = None  # where they were measured, if here
+    note: str | None = None  # how the hit was accepted when the manifest alone did not settle it
+
+
+@dataclass(frozen=True)
+class Published:
+    artifact: BlobRef
+    log: BlobRef
+    metrics: Metrics
+    device: dict[str, Any] | None
+
+
+Outcome = Hit | Published
+Body = Callable[[UnitContext], Outcome]
+
+
 def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: Path | None = None,
              body: Body | None = None) -> UnitResult:
     """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds).
-    `body` replaces the stages up to publishing (a gang's rank verifies in lockstep, workers/gang.py)."""
+    `body` replaces the stages (a gang's rank verifies in lockstep, workers/gang.py)."""
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
     result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
     phases = Phases()
@@ -105,27 +159,24 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
     with contextlib.ExitStack() as held:
         tmp = Path(held.enter_context(tempfile.TemporaryDirectory(prefix=tempdirs.prefix("unit"), dir=workdir)))
         sandbox = sandbox or held.enter_context(Sandbox())
-        ctx = UnitContext(unit, store, sandbox, tmp, log, phases, result, time.monotonic() + unit.limits.timeout_s)
+        ctx = UnitContext(unit, store, sandbox, tmp, log, phases, time.monotonic() + unit.limits.timeout_s)
         try:
-            with log.capture():  # ends before publishing, so the published log is complete
-                ready = (body or _compile)(ctx, held)
-            if ready is not None:
-                with phases("upload"):
-                    _publish(unit, store, ready, log, result, phases.timings)
+            _fill(result, (body or compile_unit)(ctx))
         except (UnitFailed, LoweringError, UntrustedDocument) as e:
-            result.status, result.error = "failed", f"graph {unit.graph} ({unit.target.label}): {e}"
+            result.error = f"graph {unit.graph} ({unit.target.label}): {e}"
             result.retryable = getattr(e, "retryable", False)
             log.note(f"FAILED in {phases.current}: {e}")
             if e.__cause__ is not None:
                 log.exception(e.__cause__)
         except Exception as e:  # a library blew up mid-phase: still a value, with the traceback in the log
-            result.status = "failed"
             result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
             # the store failing (after its own attempts) is the network's or the server's: in a moment it may not
             result.transient = isinstance(e, StoreError) and not isinstance(e, (CorruptBlob, UnsafeStore))
             result.retryable = result.transient or phases.current in ("fetch", "upload", "lease")
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
+    if ctx.found is not None:
+        result.key, result.components = ctx.found.key, ctx.found.components
     result.timings = {**phases.timings, "total": time.perf_counter() - start}
     if result.status == "failed":
         try:
@@ -136,64 +187,54 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
     return result
 
 
-@dataclass
-class Compiled:
-    artifact: Path
-    components: dict[str, Any]
-    facts: dict[str, Any]
-    checked: list[str]
-    built_with: str  # digest of the weight values the artifact was built and verified with
-
-
-Body = Callable[[UnitContext, contextlib.ExitStack], "Compiled | None"]
+def _fill(result: UnitResult, outcome: Outcome) -> None:
+    if isinstance(outcome, Hit):
+        fill_hit(result, outcome.manifest)
+        result.note, result.device = outcome.note, outcome.device or result.device
+    else:
+        result.status, result.artifact, result.log, result.device = "compiled", outcome.artifact, outcome.log, outcome.device
+    result.metrics.update(outcome.metrics)
 
 
 def unit_key(ctx: UnitContext) -> Found:
     """The lookup (workers/lookup.py) for this unit, its program loaded in the unit's sandbox if
-    the store does not know its identity; the key lands in the result."""
+    the store does not know its identity."""
     ctx.backend = resolve(ctx.unit.target)
-    found = find(ctx.unit, ctx.store, lambda: identify_program(ctx))
-    if found.identity_known:
+    ctx.found = find(ctx.unit, ctx.store, lambda: identify_program(ctx))
+    if ctx.found.identity_known:
         ctx.log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
-    ctx.result.components, ctx.result.key = found.components, found.key
-    ctx.log.note(f"key {found.key} (weights: {ctx.unit.target.weights})")
-    return found
+    ctx.log.note(f"key {ctx.found.key} (weights: {ctx.unit.target.weights})")
+    return ctx.found
 
 
-def _compile(ctx: UnitContext, held: contextlib.ExitStack) -> Compiled | None:
-    unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
+def compile_unit(ctx: UnitContext) -> Outcome:
     found = unit_key(ctx)
-    identity, built_with = found.identity, found.built_with
     if found.manifest is not None:
-        log.note("hit: a manifest exists, nothing to compile")
-        take_hit(ctx, found.manifest, built_with)
-        return None
+        ctx.log.note("hit: a manifest exists, nothing to compile")
+        return take_hit(ctx, found.manifest, found.built_with)
 
-    problem = ctx.backend.host_problem(unit.target)
+    problem = ctx.backend.host_problem(ctx.unit.target)
     if problem:
         raise UnitFailed(problem, retryable=True)
 
-    claim = claim_key(unit, store, result.key, log, phase)
+    claim = claim_key(ctx, found.key)
     if not isinstance(claim, Lease):
-        log.note("hit: another worker compiled this key while we waited")
-        take_hit(ctx, claim, built_with)
-        return None
-    held.enter_context(claim)  # renewed while we compile and publish, released after
-
-    identify_program(ctx, expect=identity)
-    artifact, facts = lower_unit(ctx)
-    with phase("verify"):
-        checked = check_artifact(ctx, artifact, verify_it=True, bench_it=False)
-    with phase("benchmark"):
-        check_artifact(ctx, artifact, verify_it=False, bench_it=True)
-    return Compiled(artifact, result.components, facts, checked, built_with)
+        ctx.log.note("hit: another worker compiled this key while we waited")
+        return take_hit(ctx, claim, found.built_with)
+    with claim:  # renewed while we compile and publish; released after, whatever happens
+        identify_program(ctx, expect=found.identity)
+        lowered = lower_unit(ctx)
+        with ctx.phase("verify"):
+            verified = check_artifact(ctx, lowered.artifact, verify_it=True, bench_it=False)
+        with ctx.phase("benchmark"):
+            benched = check_artifact(ctx, lowered.artifact, verify_it=False, bench_it=True)
+        return publish(ctx, Compiled(lowered, verified.then(benched), found.built_with))
 
 
-def lower_unit(ctx: UnitContext) -> tuple[Path, dict[str, Any]]:
-    """Lower the loaded program in the sandbox (sharing autotune timings with the farm); the
-    artifact and what the backend says about it."""
-    unit, store, result, phase, log = ctx.unit, ctx.store, ctx.result, ctx.phase, ctx.log
-    with phase("lower"):
+def lower_unit(ctx: UnitContext) -> Lowered:
+    """Lower the loaded program in the sandbox, sharing autotune timings with the farm."""
+    unit, store, log = ctx.unit, ctx.store, ctx.log
+    with ctx.phase("lower"):
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
         if shared:
@@ -203,15 +244,15 @@ def lower_unit(ctx: UnitContext) -> tuple[Path, dict[str, Any]]:
         lowered = ctx.step("lower", workdir=str(ctx.tmp))
         artifact = ctx.inside(lowered.get("artifact"))
         measured_here = _count(lowered.get("autotune_benchmarked"))
-        result.metrics["autotune_benchmarked"] = float(measured_here)
+        metrics = {"autotune_benchmarked": float(measured_here)}
         if shared:
             shared.collect(entries_from(lowered.get("autotune_entries")))
             log.note(f"autotuning: benchmarked {measured_here} kernel selections here, "
                      f"gave {shared.published} new timings to the farm")
-            result.metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
+            metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
 
     facts = lowered.get("facts") if isinstance(lowered.get("facts"), dict) else {}
-    return artifact, _plain(facts)
+    return Lowered(artifact, _plain(facts), metrics)
 
 
 def identify_program(ctx: UnitContext, expect: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
@@ -228,19 +269,20 @@ def identify_program(ctx: UnitContext, expect: dict[str, str] | None = None) -> 
     return ctx.identified
 
 
-def check_artifact(ctx: UnitContext, artifact: Path, verify_it: bool, bench_it: bool) -> list[str]:
-    """Verify and/or benchmark an artifact in the sandbox; numbers land in the result."""
+def check_artifact(ctx: UnitContext, artifact: Path, verify_it: bool, bench_it: bool) -> Checked:
+    """Verify and/or benchmark an artifact in the sandbox; a failed verification fails the unit."""
     reply = ctx.step("check", artifact=str(artifact), verify_it=verify_it, bench_it=bench_it)
     metrics = reply.get("metrics") if isinstance(reply.get("metrics"), dict) else {}
-    ctx.result.metrics.update({str(k)[:200]: float(v) for k, v in metrics.items()
-                               if isinstance(v, (int, float)) and not isinstance(v, bool)})
     problems = [str(p)[:1000] for p in reply.get("problems") or []]
     if verify_it and problems:
         raise UnitFailed("verification failed: " + "; ".join(problems))
+    device = None
     if bench_it:
-        ctx.result.device = ctx.backend.device_fingerprint(ctx.unit.target)
-        ctx.log.note(f"measured on {ctx.result.device}")
-    return [str(c)[:200] for c in reply.get("checked") or []]
+        device = ctx.backend.device_fingerprint(ctx.unit.target)
+        ctx.log.note(f"measured on {device}")
+    return Checked([str(c)[:200] for c in reply.get("checked") or []],
+                   {str(k)[:200]: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                   device)
 
 
 def _count(value: Any) -> int:
@@ -254,9 +296,11 @@ def _plain(facts: dict[str, Any]) -> dict[str, Any]:
     return facts
 
 
-def claim_key(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -> Lease | dict[str, Any]:
+def claim_key(ctx: UnitContext, key: str) -> Lease | dict[str, Any]:
     """The lease on key (we compile), or the manifest another worker published while we waited."""
-    leases = Leases(store.backend, f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}", unit.lease_ttl_s)
+    unit, log, phase = ctx.unit, ctx.log, ctx.phase
+    leases = Leases(ctx.store.backend, f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}",
+                    unit.lease_ttl_s)
     holders: list[str] = []
 
     def waiting(info: LeaseInfo) -> None:
@@ -266,7 +310,7 @@ def claim_key(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -
 
     start = time.perf_counter()
     with phase("lease"):
-        claim = leases.claim(key, lambda: store.get_manifest(key), on_wait=waiting)
+        claim = leases.claim(key, lambda: ctx.store.get_manifest(key), on_wait=waiting)
     if holders:  # time spent because another worker held the key, not the claim's own round trips
         phase.timings["lease_wait"] = time.perf_counter() - start
     if isinstance(claim, Lease) and holders:
@@ -274,89 +318,93 @@ def claim_key(unit: Unit, store: Store, key: str, log: UnitLog, phase: Phases) -
     return claim
 
 
-def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verified_here: bool = False) -> None:
+def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verified_here: bool = False) -> Hit:
     """A manifest exists. With `weights: shapes` and another checkpoint's weights, show that the
     artifact runs with ours and matches our program run eagerly before calling it a hit; the same
     when it was verified at looser tolerances than this job's (unless its recorded error is
     within them, or the caller verified it: `verified_here`). An autotune candidate takes
     latencies measured since publishing, and measures the stored artifact again on retune or at
     a hot size it was never timed at on this device."""
-    unit, store, result, log = ctx.unit, ctx.store, ctx.result, ctx.log
+    unit, store, log, key = ctx.unit, ctx.store, ctx.log, ctx.found.key
     looser, within = unit.verify.gap(manifest)
     recheck = looser is not None and not within and not verified_here
+    note = None
     if looser is not None and not recheck:
-        result.note = looser + ("; verified again here at this job's tolerances" if verified_here else
-                                f"; its recorded max error {manifest['metrics']['max_abs_err']:.3g} is within them")
-        log.note(f"hit: {result.note}")
-    fill_hit(result, manifest)
+        note = looser + ("; verified again here at this job's tolerances" if verified_here else
+                         f"; its recorded max error {manifest['metrics']['max_abs_err']:.3g} is within them")
+        log.note(f"hit: {note}")
     stored_with = manifest.get("weights", {}).get("built_with")
     swap = unit.target.weights == "shapes" and stored_with != built_with and not verified_here
     if unit.target.candidate is None and not swap and not recheck:  # a plain hit: the manifest says it all
-        return
+        return Hit(manifest, note=note)
     device = fingerprint_of(ctx.backend.device_fingerprint(unit.target))
-    if unit.target.candidate is not None and not unit.remeasure:  # measured again after it was published?
-        result.metrics.update(get_measurements(store, result.key, device))
-    unmeasured = [f"{w}={n}" for w, n in unit.hot_sizes if f"compiled_ms@{w}={n}" not in result.metrics]
+    since = get_measurements(store, key, device) if unit.target.candidate is not None and not unit.remeasure else {}
+    known = {**manifest.get("metrics", {}), **since}
+    unmeasured = [f"{w}={n}" for w, n in unit.hot_sizes if f"compiled_ms@{w}={n}" not in known]
     remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
     if not swap and not remeasure and not recheck:
-        return
-    identify_program(ctx, expect={k: v for k, v in result.components["program"].items()})
-    artifact = store.fetch(result.artifact.digest, ctx.tmp / "artifact")
+        return Hit(manifest, since, note=note)
+    identify_program(ctx, expect=dict(ctx.found.components["program"]))
+    artifact = store.fetch(manifest["blobs"]["artifact"]["digest"], ctx.tmp / "artifact")
+    metrics, measured_on = dict(since), None
     if swap or recheck:  # one check, at this job's tolerances, with this checkpoint's weights
         log.note(f"the artifact was built with weights {stored_with}; checking it with this checkpoint's ({built_with})"
                  if swap else f"{looser}: verifying the stored artifact again")
         with ctx.phase("verify"):
             try:
-                check_artifact(ctx, artifact, verify_it=True, bench_it=False)
+                metrics.update(check_artifact(ctx, artifact, verify_it=True, bench_it=False).metrics)
             except UnitFailed as e:
                 if recheck:
                     raise UnitFailed(f"{looser}, and it fails them: {e}. The key is the same at any tolerance: loosen "
                                      f"verify.atol/rtol, or change the target's options to build another artifact") from None
-                raise UnitFailed(f"the cached artifact for key {result.key} does not reproduce this checkpoint: {e}. "
+                raise UnitFailed(f"the cached artifact for key {key} does not reproduce this checkpoint: {e}. "
                                  f"Report it: the key should have told them apart") from None
         if swap:
-            result.metrics.update(weights_swapped=1.0)
+            metrics.update(weights_swapped=1.0)
         if recheck:
-            result.note = f"{looser}; verified again here at this job's tolerances"
+            note = f"{looser}; verified again here at this job's tolerances"
     if remeasure:  # retuning, or sizes never measured: the artifact stands, its latency is measured here
         with ctx.phase("benchmark"):
-            check_artifact(ctx, artifact, verify_it=False, bench_it=True)
-        put_measurements(store, result.key, device, {k: v for k, v in result.metrics.items() if "_ms" in k})
+            benched = check_artifact(ctx, artifact, verify_it=False, bench_it=True)
+        metrics.update(benched.metrics)
+        measured_on = benched.device
+        put_measurements(store, key, device, {k: v for k, v in {**known, **benched.metrics}.items() if "_ms" in k})
+    return Hit(manifest, metrics, measured_on, note)
 
 
-def _publish(unit: Unit, store: Store, ready: Compiled, log: UnitLog, result: UnitResult, timings: dict[str, float]) -> None:
-    result.artifact = store.put_file(ready.artifact)
-    log.note(f"artifact {result.artifact.digest} ({result.artifact.size} bytes); publishing")
-    result.log = store.put_bytes(log.text().encode())  # linked from the manifest
-    manifest = _manifest(unit, result, ready, timings)
-    if not store.publish_manifest(result.key, manifest):
-        log.note("another worker published this key first; its manifest stands")
-    result.status = "compiled"
+def publish(ctx: UnitContext, ready: Compiled) -> Published:
+    """Blobs first, the manifest last: nothing points at what is not there yet. Called with the lease held."""
+    store, log = ctx.store, ctx.log
+    with ctx.phase("upload"):
+        artifact = store.put_file(ready.lowered.artifact)
+        log.note(f"artifact {artifact.digest} ({artifact.size} bytes); publishing")
+        log_ref = store.put_bytes(log.text().encode())  # linked from the manifest
+        metrics = {**ready.lowered.metrics, **ready.checked.metrics}
+        if not store.publish_manifest(ctx.found.key, _manifest(ctx, ready, artifact, log_ref, metrics)):
+            log.note("another worker published this key first; its manifest stands")
+    return Published(artifact, log_ref, metrics, ready.checked.device)
 
 
-def _manifest(unit: Unit, result: UnitResult, ready: Compiled, timings: dict[str, float]) -> dict[str, Any]:
+def _manifest(ctx: UnitContext, ready: Compiled, artifact: BlobRef, log: BlobRef, metrics: Metrics) -> dict[str, Any]:
+    unit, found, timings = ctx.unit, ctx.found, ctx.phase.timings
     return {
-        "key": result.key,
-        "key_version": ready.components["key_version"],
-        "components": ready.components,
+        "key": found.key,
+        "key_version": found.components["key_version"],
+        "components": found.components,
         "status": "compiled",
         "graph": unit.graph,
         "source": unit.source,
         "target": unit.target.label,
-        "blobs": {
-            "artifact": result.artifact.to_dict(),
-            "program": unit.program.to_dict(),
-            "log": result.log.to_dict() if result.log else None,
-        },
-        "artifact": ready.facts,
+        "blobs": {"artifact": artifact.to_dict(), "program": unit.program.to_dict(), "log": log.to_dict()},
+        "artifact": ready.lowered.facts,
         "weights": {"mode": unit.target.weights, "built_with": ready.built_with},
-        "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked},
+        "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked.inputs},
         # a gang's agreement this rank's program was re-exported with (workers/gang.py)
         "agreed_shapes": {"dims": [list(d) for d in unit.agreed_dims], "sizes": dict(unit.agreed_sizes)} if unit.agreed else None,
-        "metrics": dict(result.metrics),
-        "device": result.device,  # where the metrics were measured
+        "metrics": dict(metrics),
+        "device": ready.checked.device,  # where the metrics were measured
         "timings": dict(timings),
         "compile_s": sum(timings.get(p, 0.0) for p in COMPILE_PHASES),
-        "worker": result.worker,
+        "worker": socket.gethostname(),
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
