@@ -3,6 +3,7 @@ for the manifest, and a lease whose holder stopped renewing is taken over."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -80,13 +81,39 @@ def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path
     (unit,) = plan(job, store)
     key = _key_of(unit, store)
     Leases(store.backend, "node-7/pid-4242 (killed)", ttl_s=2).try_acquire(key, 0)
+    publish, held_while_publishing = store.publish_manifest, []
 
+    def publish_manifest(key: str, manifest: dict) -> bool:
+        held_while_publishing.append(Leases(store.backend, "x").current(key))
+        return publish(key, manifest)
+
+    store.publish_manifest = publish_manifest
     result = run_unit(unit, store)
     assert result.status == "compiled", result.error
+    assert [info.holder.startswith(socket.gethostname()) for info in held_while_publishing] == [True]
     assert result.key == key and result.timings["lease_wait"] >= 2
     log = store.get_bytes(store.get_manifest(key)["blobs"]["log"]["digest"]).decode()
     assert "took over the lease from node-7/pid-4242 (killed)" in log
     assert Leases(store.backend, "x").current(key) is None  # released after publishing
+
+
+def test_a_compile_that_fails_lets_its_key_go_and_reports_it(zoo_dir, tmp_path, monkeypatch):
+    from scheduler.spec import parse_job
+    from scheduler.plan import plan
+    from workers import pipeline
+    from workers.lookup import UnitFailed
+
+    def broken_lowering(ctx):
+        raise UnitFailed("g++ ran out of memory")
+
+    monkeypatch.setattr(pipeline, "lower_unit", broken_lowering)
+    store = store_from_uri(str(tmp_path / "store"))
+    (unit,) = plan(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu:x86-64"]}), store)
+    result = pipeline.run_unit(unit, store)
+    assert result.status == "failed" and "g++ ran out of memory" in result.error
+    assert result.key == _key_of(unit, store) and store.get_manifest(result.key) is None
+    assert Leases(store.backend, "x").current(result.key) is None
+    assert "FAILED in setup: g++ ran out of memory" in store.get_bytes(result.log.digest).decode()
 
 
 def _key_of(unit, store) -> str:

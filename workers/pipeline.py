@@ -55,12 +55,13 @@ class Phases:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        self.current = name
+        outer, self.current = self.current, name
         start = time.perf_counter()
         try:
             yield
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+        self.current = outer  # not on failure: then it names the phase that broke
 
 
 @dataclass
