@@ -70,6 +70,7 @@ class Steps(GangSteps):
         self._loaded: tuple[str, ExportedProgram] | None = None  # (unit id, its program)
         self._prepared: ExportedProgram | None = None  # the loaded program on the target's device
         self._compiled: tuple[str, Any] | None = None  # (artifact path, the loaded artifact): verify, then benchmark
+        self._named: tuple[Unit, dict[str, Any]] | None = None  # the unit the loaded program is, and what it was named
 
     def _program(self, unit: Unit) -> ExportedProgram:
         if self._loaded is None or self._loaded[0] != unit.unit_id:
@@ -84,8 +85,15 @@ class Steps(GangSteps):
 
     def identify(self, unit: Unit, program: str, facts: bool = False) -> dict[str, Any]:
         """Load the graph (checked first, see workers/archive.py) and name its content; with
-        `facts`, also say what a gang's compiler collectives compare (workers/gang_steps.py)."""
-        self._loaded = self._prepared = self._compiled = None
+        `facts`, also say what a gang's compiler collectives compare (workers/gang_steps.py).
+
+        The program still loaded for this very unit (the same archive digest, fetched and
+        checked by the parent, and the same agreement, specialization and weights mode), with
+        nothing lowered or run from it since, is named again without loading it: a gang's
+        reader names its program for the gang, then compiles it."""
+        if self._named is not None and self._named[0] == unit and self._prepared is None and self._compiled is None:
+            return {**self._named[1], **({"facts": self._facts(self._loaded[1])} if facts else {})}
+        self._loaded = self._prepared = self._compiled = self._named = None
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
         if unit.specialize:
             where, size = unit.specialize
@@ -102,13 +110,15 @@ class Steps(GangSteps):
         identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
         built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
         self._loaded = (unit.unit_id, ep)
-        reply = {"identity": identity, "built_with": built_with}
-        if facts:
-            try:
-                reply["facts"] = gang_facts(ep)
-            except ValueError as e:
-                raise StepFailed(str(e)) from e
-        return reply
+        self._named = (unit, {"identity": identity, "built_with": built_with})
+        return {**self._named[1], **({"facts": self._facts(ep)} if facts else {})}
+
+    @staticmethod
+    def _facts(ep: ExportedProgram) -> dict[str, Any]:
+        try:
+            return gang_facts(ep)
+        except ValueError as e:
+            raise StepFailed(str(e)) from e
 
     def lower(self, unit: Unit, workdir: str) -> dict[str, Any]:
         backend = resolve(unit.target)
