@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from storage import Lease, Store, StoreError
 from storage.identities import put_identity
+from workers import host_check
 from workers.backends import LoweringError
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
 from workers.gang_tune import GangTuning, NoCandidate, tune
@@ -109,6 +110,8 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     """This rank's part of compiling the gang; every rank of the gang calls it at once."""
     rank = comm.rank
     unit = gang.ranks[rank]
+    if gang.reader_of(rank) == rank:  # a rank that may compile: answered while the ranks agree
+        host_check.start(unit.target)
     try:
         unit, has_collectives = _agree(comm, gang, unit, store, sandbox, workdir)
         leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox, workdir), "fingerprints"))
@@ -260,7 +263,7 @@ class _Lockstep:
             found = unit_key(ctx)
             claim = found.manifest
             if claim is None and self.leaders[rank] == rank:
-                problem = ctx.backend.host_problem(unit.target)
+                problem = host_check.problem(unit.target)
                 if problem:
                     raise UnitFailed(problem, retryable=True)
                 claim = claim_key(ctx, found.key)  # or the manifest another job published while we waited

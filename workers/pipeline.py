@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
-from workers import tempdirs
+from workers import host_check, tempdirs
 from workers.autotune_share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
@@ -209,12 +209,13 @@ def unit_key(ctx: UnitContext) -> Found:
 
 
 def compile_unit(ctx: UnitContext) -> Outcome:
+    host_check.start(ctx.unit.target)  # while the sandbox loads the program
     found = unit_key(ctx)
     if found.manifest is not None:
         ctx.log.note("hit: a manifest exists, nothing to compile")
         return take_hit(ctx, found.manifest, found.built_with)
 
-    problem = ctx.backend.host_problem(ctx.unit.target)
+    problem = host_check.problem(ctx.unit.target)
     if problem:
         raise UnitFailed(problem, retryable=True)
 

@@ -1,0 +1,31 @@
+"""Whether this host can build a target, asked early and answered once per process.
+
+On a host whose Inductor cache is fresh, the CPU backends' check compiles and loads a probe
+program per vector ISA (seconds: a third of a small model's compile). It needs no program, so a
+unit starts it in a thread while its sandbox loads the program, and a gang while its ranks agree.
+A host that can build a target keeps that answer; a problem is asked again next time (a GPU
+that was busy may be free)."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from workers.backends import resolve
+from workers.unit import Target
+
+_checker = ThreadPoolExecutor(1, thread_name_prefix="farm-host-check")
+_asked: dict[str, Future[str | None]] = {}
+_lock = threading.Lock()
+
+
+def start(target: Target) -> Future[str | None]:
+    """The check's answer to come: why this host cannot build the target, or None."""
+    with _lock:
+        asked = _asked.get(target.label)
+        if asked is None or (asked.done() and (asked.exception() is not None or asked.result() is not None)):
+            asked = _asked[target.label] = _checker.submit(resolve(target).host_problem, target)
+        return asked
+
+
+def problem(target: Target) -> str | None:
+    return start(target).result()
