@@ -3,17 +3,20 @@
 On a host whose Inductor cache is fresh, the CPU backends' check compiles and loads a probe
 program per vector ISA (seconds: a third of a small model's compile). It needs no program, so a
 unit starts it in a thread while its sandbox loads the program, and a gang while its ranks agree.
+The thread, and the compilers it starts, run at a low priority: on idle cores only, so a gang
+whose sandboxes all load at once (and may then fail) is not slowed by checks it never uses.
 A host that can build a target keeps that answer; a problem is asked again next time (a GPU
 that was busy may be free)."""
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from workers.backends import resolve
 from workers.unit import Target
 
-_checker = ThreadPoolExecutor(1, thread_name_prefix="farm-host-check")
+_checker = ThreadPoolExecutor(1, thread_name_prefix="farm-host-check", initializer=os.nice, initargs=(10,))  # Linux: this thread
 _asked: dict[str, Future[str | None]] = {}
 _lock = threading.Lock()
 
