@@ -100,8 +100,9 @@ def main() -> None:
         first = "single" if i % 2 == 0 else "gang"
         print(f"pair {i + 1} ({first} first): single compile (1 worker) {single:5.1f} s, gang of {args.ranks} identical "
               f"ranks (1 compile) {gang:5.1f} s, gang_time / single_time = {gang / single:.2f}")
-    print(f"median gang_time / single_time over {len(pairs)} pairs = "
-          f"{statistics.median(g / s for s, g in pairs):.2f}  (goal <= 1.1)")
+    if pairs:  # --pairs 0: only the divergent gang
+        print(f"median gang_time / single_time over {len(pairs)} pairs = "
+              f"{statistics.median(g / s for s, g in pairs):.2f}  (goal <= 1.1)")
     print(f"a divergent gang of {args.ranks} failed in {failed['seconds']:.1f} s: {failed['errors'][0]}")
 
 

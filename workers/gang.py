@@ -110,8 +110,8 @@ def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: s
     """This rank's part of compiling the gang; every rank of the gang calls it at once."""
     rank = comm.rank
     unit = gang.ranks[rank]
-    if gang.reader_of(rank) == rank:  # a rank that may compile: answered while the ranks agree
-        host_check.start(unit.target)
+    if rank == 0:  # asked while the ranks agree, by one rank: its probe builds serve the other ranks on its host, and
+        host_check.start(unit.target)  # a gang whose ranks all load (and may then diverge) is not slowed by four
     try:
         unit, has_collectives = _agree(comm, gang, unit, store, sandbox, workdir)
         leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox, workdir), "fingerprints"))
