@@ -2,7 +2,7 @@
 
 On a host whose Inductor cache is fresh, the CPU backends' check compiles and loads a probe
 program per vector ISA (seconds: a third of a small model's compile). It needs no program, so a
-unit starts it in a thread while its sandbox loads the program, and a gang while its ranks agree.
+unit that must load its program starts it in a thread meanwhile, and a gang while its ranks agree.
 The thread, and the compilers it starts, run at a low priority: on idle cores only, so a gang
 whose sandboxes all load at once (and may then fail) is not slowed by checks it never uses.
 A host that can build a target keeps that answer; a problem is asked again next time (a GPU

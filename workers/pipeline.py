@@ -197,11 +197,16 @@ def _fill(result: UnitResult, outcome: Outcome) -> None:
     result.metrics.update(outcome.metrics)
 
 
-def unit_key(ctx: UnitContext) -> Found:
+def unit_key(ctx: UnitContext, before_loading: Callable[[], Any] = lambda: None) -> Found:
     """The lookup (workers/lookup.py) for this unit, its program loaded in the unit's sandbox if
-    the store does not know its identity."""
+    the store does not know its identity (`before_loading` starts what can run meanwhile)."""
     ctx.backend = resolve(ctx.unit.target)
-    ctx.found = find(ctx.unit, ctx.store, lambda: identify_program(ctx))
+
+    def identify() -> tuple[dict[str, str], str]:
+        before_loading()
+        return identify_program(ctx)
+
+    ctx.found = find(ctx.unit, ctx.store, identify)
     if ctx.found.identity_known:
         ctx.log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
     ctx.log.note(f"key {ctx.found.key} (weights: {ctx.unit.target.weights})")
@@ -209,8 +214,7 @@ def unit_key(ctx: UnitContext) -> Found:
 
 
 def compile_unit(ctx: UnitContext) -> Outcome:
-    host_check.start(ctx.unit.target)  # while the sandbox loads the program
-    found = unit_key(ctx)
+    found = unit_key(ctx, before_loading=lambda: host_check.start(ctx.unit.target))
     if found.manifest is not None:
         ctx.log.note("hit: a manifest exists, nothing to compile")
         return take_hit(ctx, found.manifest, found.built_with)
