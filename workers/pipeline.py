@@ -350,7 +350,7 @@ def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verifi
     remeasure = unit.remeasure or bool(unmeasured)  # never at a hot size on this device: measure now
     if not swap and not remeasure and not recheck:
         return Hit(manifest, since, note=note)
-    identify_program(ctx, expect=dict(ctx.found.components["program"]))
+    identify_program(ctx, expect=ctx.found.identity)
     artifact = store.fetch(manifest["blobs"]["artifact"]["digest"], ctx.tmp / "artifact")
     metrics, measured_on = dict(since), None
     if swap or recheck:  # one check, at this job's tolerances, with this checkpoint's weights
