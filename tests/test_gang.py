@@ -3,6 +3,7 @@ placement group, agreeing through compiler collectives over a real gloo process 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import threading
 import time
 
@@ -147,3 +148,6 @@ def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_al
     assert measured == {k: v for k, v in results[1].metrics.items() if k.startswith("autotune_ms[")}
     assert {r.candidate for r in results} == {record["winner"]} and {r.target for r in results} == {"aoti-cpu:avx2"}
     assert len({r.artifact.digest for r in results}) == 1
+    # both ranks lowered the same code at once: each wrote its generated files in its own
+    # directory, not in the shared Inductor cache where they packaged each other's half-written files
+    assert not list(Path(ray_cluster.env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.wrapper.so"))

@@ -36,7 +36,7 @@ def _archive_limits(unit: Unit) -> ArchiveLimits:
 
 @contextlib.contextmanager
 def own_inductor_config() -> Iterator[None]:
-    """Restore every Inductor setting after a lowering. `aoti_compile_and_package` leaves
+    """Restore every Inductor setting after a lowering. AOTInductor leaves
     `aot_inductor.metadata` filled in; that setting is part of Inductor's FX graph cache key,
     so a later torch.compile in the same process would key its cache entries differently from
     a fresh serving process."""

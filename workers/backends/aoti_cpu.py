@@ -29,6 +29,23 @@ WEIGHTS_OUT_OF_CODE = {
 }
 
 
+def compile_and_package(ep: ExportedProgram, workdir: Path, configs: dict[str, Any]) -> Path:
+    """`aoti_compile_and_package`, with the generated sources and .so written to this lowering's
+    own directory. By default they go to a directory of the shared Inductor cache named by the
+    generated code, rewritten in place (under Inductor's lock) by every compile of the same code
+    and packaged after that lock is let go: two workers lowering the same code at once packaged
+    each other's half-written files (an empty wrapper_metadata.json was seen). Nothing there is
+    reused: the .so is rebuilt on every compile, so a private directory costs nothing."""
+    from torch._inductor.package import package_aoti
+
+    generated = workdir / "aoti-generated"
+    generated.mkdir()
+    args, kwargs = ep.example_inputs
+    options = {**configs, "aot_inductor.package": True, "aot_inductor.output_path": str(generated)}
+    files = torch._inductor.aot_compile(ep.module(check_guards=False), args, kwargs, options=options)
+    return Path(package_aoti(str(workdir / "artifact.pt2"), files))
+
+
 def package_metadata(artifact: Path) -> dict[str, str]:
     return dict(torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(artifact), "model"))
 
@@ -72,13 +89,12 @@ class AotiCpu(cpu_isa.PinnedCpuTarget):
         configs = {**target.options_dict, **isa.inductor_configs}
         if target.weights == "shapes":
             configs.update(WEIGHTS_OUT_OF_CODE)
-        out = workdir / "artifact.pt2"
         with cpu_isa.only_vec_isa(isa.vec_isa):
-            path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=configs)
-        recorded = package_metadata(Path(path)).get("AOTI_CPU_ISA", "")
+            path = compile_and_package(ep, workdir, configs)
+        recorded = package_metadata(path).get("AOTI_CPU_ISA", "")
         if recorded != isa.recorded:
             raise LoweringError(f"asked for {name} but the package records ISA {recorded!r}; not publishing it")
-        return Path(path)
+        return path
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
         recorded = package_metadata(artifact).get("AOTI_CPU_ISA", "")

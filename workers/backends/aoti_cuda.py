@@ -20,7 +20,7 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa, cuda, cxx
-from workers.backends.aoti_cpu import WEIGHTS_OUT_OF_CODE, load_package, package_metadata, weights_facts
+from workers.backends.aoti_cpu import WEIGHTS_OUT_OF_CODE, compile_and_package, load_package, package_metadata, weights_facts
 from workers.backends.base import LoweringError, Placement
 from workers.unit import Target
 
@@ -108,8 +108,7 @@ class AotiCuda:
         configs = {**target.options_dict, **self._wrapper()[1]}
         if target.weights == "shapes":
             configs.update(WEIGHTS_OUT_OF_CODE)
-        out = workdir / "artifact.pt2"
-        path = Path(torch._inductor.aoti_compile_and_package(ep, package_path=str(out), inductor_configs=configs))
+        path = compile_and_package(ep, workdir, configs)
         recorded = package_metadata(path).get("AOTI_COMPUTE_CAPABILITY", "")
         if f"sm_{recorded}" != arch:
             raise LoweringError(f"asked for {arch} but the package records compute capability {recorded!r}; not publishing it")
