@@ -25,7 +25,7 @@ from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _fail
 from storage import CacheConfig, Store, store_from_uri
 from workers import tempdirs
 from workers.backends import LoweringError, Placement, offered_resources, resolve
-from workers.gang import GangComm, run_rank
+from workers.gang import GangComm, read_own_graph, run_rank
 from workers.pipeline import run_unit
 from workers.rendezvous import open_store
 from workers.sandbox import Sandbox
@@ -79,13 +79,14 @@ class GangMember:
 
     def run(self, gang: Gang, address: tuple[str, int]) -> UnitResult:
         timeout = gang.collective_timeout_s
-        store = self.rendezvous or open_store(address[0], address[1], False, timeout)
-        comm = GangComm(store, self.rank, gang.world_size, timeout)
-        try:
-            with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang")) as tmp:
-                result = run_rank(comm, gang, self.store, self.sandbox, self.host, Path(tmp))
-        finally:
-            comm.close()
+        with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang")) as tmp:
+            own = read_own_graph(gang, self.rank, self.store, self.sandbox, Path(tmp))  # while the other ranks start
+            store = self.rendezvous or open_store(address[0], address[1], False, timeout)
+            comm = GangComm(store, self.rank, gang.world_size, timeout)
+            try:
+                result = run_rank(comm, gang, own, self.store, self.sandbox, self.host, Path(tmp))
+            finally:
+                comm.close()
         result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
 

@@ -4,7 +4,8 @@ collectives (real torch.distributed calls among the gang's actors, `GangComm`).
 Every rank runs `run_rank` at the same time, in its own gang actor, and makes the same calls in
 the same order, so each collective meets all ranks:
 
-1. *facts*: each rank loads its program in its sandbox (ranks whose archives have the same
+1. *facts*: each rank loads its program in its sandbox, before the gang's process group forms
+   (`read_own_graph`: the load overlaps with the other ranks' start; ranks whose archives have the same
    bytes as a lower rank's leave it to that rank, `Gang.reader_of`, and start their sandbox
    only if they compile or verify: on 2 cores, three needless torch imports were a third of a
    gang's time); the ranks all-gather what their graphs say: errors, the functional
@@ -106,14 +107,37 @@ def _failed(unit: Unit, gang: Gang, message: str) -> UnitResult:
     return UnitResult(unit.graph, unit.target.label, "failed", error=f"gang {gang.label}: {message}")
 
 
-def run_rank(comm: GangComm, gang: Gang, store: Store, sandbox: Sandbox, host: str, workdir: Path) -> UnitResult:
-    """This rank's part of compiling the gang; every rank of the gang calls it at once."""
-    rank = comm.rank
+def read_own_graph(gang: Gang, rank: int, store: Store, sandbox: Sandbox, workdir: Path) -> dict[str, Any]:
+    """What this rank's graph says (`facts`) or why it cannot say (`error`), for the first
+    collective. A rank reads it before the gang's process group forms: the reader's load then
+    overlaps with the other ranks' start (their torch import), which it used to wait for."""
     unit = gang.ranks[rank]
     if rank == 0:  # asked while the ranks agree, by one rank: its probe builds serve the other ranks on its host, and
         host_check.start(unit.target)  # a gang whose ranks all load (and may then diverge) is not slowed by four
+    if unit.program is None:
+        return {"error": unit.ingest_error or f"{unit.source} could not be read", "facts": None}
+    if gang.reader_of(rank) != rank:
+        return {"error": None, "facts": None}  # the rank that reads the same bytes speaks for it
     try:
-        unit, has_collectives = _agree(comm, gang, unit, store, sandbox, workdir)
+        program = store.fetch(unit.program.digest, workdir / "program.pt2")
+        reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
+                             device=gang.device, unit=unit, program=str(program), facts=True)
+        identity, built_with = parse_identity(reply)  # kept, so naming the program later needs no second load
+        put_identity(store, unit.program.digest, identity_variant(unit.target.weights, unit.specialize, unit.agreed),
+                     {"identity": identity, "built_with": built_with})
+        return {"error": None, "facts": reply.get("facts")}
+    except (SandboxFailed, UnitFailed, OSError) as e:
+        return {"error": str(e), "facts": None}
+
+
+def run_rank(comm: GangComm, gang: Gang, own: dict[str, Any], store: Store, sandbox: Sandbox, host: str,
+             workdir: Path) -> UnitResult:
+    """This rank's part of compiling the gang, once it has read its graph (`read_own_graph`);
+    every rank of the gang calls it at once."""
+    rank = comm.rank
+    unit = gang.ranks[rank]
+    try:
+        unit, has_collectives = _agree(comm, gang, unit, own, sandbox)
         leaders = _leaders(comm.all_gather(_fingerprint(unit, store, sandbox, workdir), "fingerprints"))
 
         def compile_as(unit: Unit) -> UnitResult:
@@ -146,24 +170,10 @@ def _keep_record(tuning: GangTuning, result: UnitResult, store: Store) -> None:
         log.warning("gang %s: tuning record not kept: %s", tuning.gang, e)
 
 
-def _agree(comm: GangComm, gang: Gang, unit: Unit, store: Store, sandbox: Sandbox, workdir: Path) -> tuple[Unit, bool]:
+def _agree(comm: GangComm, gang: Gang, unit: Unit, own: dict[str, Any], sandbox: Sandbox) -> tuple[Unit, bool]:
     """Collectives 1 and 2: what the ranks' graphs say, compared identically on every rank. Returns this
     rank's unit as agreed, and whether any rank's graph issues collectives."""
-    facts, error = None, None
-    if unit.program is None:
-        error = unit.ingest_error or f"{unit.source} could not be read"
-    elif gang.reader_of(comm.rank) == comm.rank:
-        try:
-            program = store.fetch(unit.program.digest, workdir / "program.pt2")
-            reply = sandbox.call("identify", workdir, unit.limits, time.monotonic() + unit.limits.timeout_s,
-                                 device=gang.device, unit=unit, program=str(program), facts=True)
-            facts = reply.get("facts")
-            identity, built_with = parse_identity(reply)  # kept, so naming the program later needs no second load
-            put_identity(store, unit.program.digest, identity_variant(unit.target.weights, unit.specialize, unit.agreed),
-                         {"identity": identity, "built_with": built_with})
-        except (SandboxFailed, UnitFailed, OSError) as e:
-            error = str(e)
-    gathered = comm.all_gather({"error": error, "facts": facts}, "facts")
+    gathered = comm.all_gather(own, "facts")
     everyone = [gathered[gang.reader_of(r)] for r in range(gang.world_size)]
     broken = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"] or not isinstance(e["facts"], dict)]
     if broken:
