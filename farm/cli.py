@@ -7,32 +7,12 @@ from typing import Optional
 
 import typer
 
+from farm.cli_common import StoreOpt, fail as _fail, open_store as _open_store
+from farm.zoo_cli import zoo_app
 from scheduler.spec import JobSpec, SpecError, VerifySpec, load_job, parse_job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
-zoo_app = typer.Typer(no_args_is_help=True, help="The built-in smoke zoo.")
 app.add_typer(zoo_app, name="zoo")
-
-DEFAULT_STORE = os.environ.get("FARM_STORE", ".farm/store")
-StoreOpt = typer.Option(DEFAULT_STORE, "--store", help="a directory, file://… or s3://bucket/prefix (env FARM_STORE)")
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    from rich.markup import escape
-
-    from farm.console import console
-
-    console.print(f"[red]error:[/red] {escape(message)}")
-    return typer.Exit(code)
-
-
-def _open_store(uri: str):
-    from storage import CacheConfig, StoreError, store_from_uri
-
-    try:
-        return store_from_uri(uri, CacheConfig.from_env())
-    except (ValueError, StoreError) as e:
-        raise _fail(str(e)) from e
 
 
 def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> None:
@@ -267,18 +247,3 @@ def log(digest_or_key: str, store: str = StoreOpt) -> None:
         typer.echo(s.get_bytes(digest).decode(errors="replace"))
     except (StoreError, ValueError) as e:
         raise _fail(str(e)) from e
-
-
-@zoo_app.command("export")
-def zoo_export(dest: Path, model: list[str] = typer.Option([], "--model", help="only these models")) -> None:
-    """Export the smoke zoo's models as .pt2 files into DEST."""
-    from farm.console import out
-    from farm.zoo import export_zoo
-
-    try:
-        paths = export_zoo(dest, model or None)
-    except ValueError as e:
-        raise _fail(str(e)) from e
-    for p in paths:
-        out.print(f"wrote {p}")
-    out.print(f"wrote {dest / 'job.yaml'} (farm submit {dest / 'job.yaml'})")

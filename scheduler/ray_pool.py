@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
@@ -31,7 +31,8 @@ from workers.rendezvous import open_store
 from workers.sandbox import Sandbox
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
-__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "ray_session"]
+__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "TaskFailed", "ray_session",
+           "run_tasks"]
 
 CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
 
@@ -246,6 +247,30 @@ def _stop(actors: list, close: bool = True) -> None:
     for actor in actors:
         ray.kill(actor, no_restart=True)
     tempdirs.sweep_orphans()
+
+
+def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: float) -> list[Any]:
+    """fn(*call) for every call, as named Ray tasks of one CPU each, spread over the cluster;
+    the results in order, a call that raised, died or ran past timeout_s as a TaskFailed."""
+    remote = ray.remote(num_cpus=1, max_retries=1)(fn)
+    refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}").remote(*call) for i, call in enumerate(calls)]
+    deadline, results = time.monotonic() + timeout_s, []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+        except RayTaskError as e:  # what the task raised, its traceback kept by Ray
+            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+            results.append(TaskFailed(f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:500]}"))
+        except (RayActorError, GetTimeoutError) as e:
+            ray.cancel(ref, force=True)
+            results.append(TaskFailed(f"{type(e).__name__}: the task died or ran past {timeout_s:g}s"))
+    return results
+
+
+@dataclass(frozen=True)
+class TaskFailed:
+    """A task of run_tasks that did not return: why."""
+    error: str
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ def _checkpoint(seed: int, path) -> torch.export.ExportedProgram:
         for b in model.buffers():
             if b.is_floating_point():
                 b.uniform_(0.5, 1.5)
-    ep = torch.export.export(model, spec.example(), dynamic_shapes=spec.dynamic())
+    args, kwargs = spec.example()
+    ep = torch.export.export(model, args, kwargs, dynamic_shapes=spec.dynamic())
     torch.export.save(ep, str(path))
     return ep
 

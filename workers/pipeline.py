@@ -165,7 +165,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
             _fill(result, (body or compile_unit)(ctx))
         except (UnitFailed, LoweringError, UntrustedDocument) as e:
             result.error = f"graph {unit.graph} ({unit.target.label}): {e}"
-            result.retryable = getattr(e, "retryable", False)
+            result.retryable, result.failed_in = getattr(e, "retryable", False), phases.current
             log.note(f"FAILED in {phases.current}: {e}")
             if e.__cause__ is not None:
                 log.exception(e.__cause__)
@@ -174,6 +174,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
             # the store failing (after its own attempts) is the network's or the server's: in a moment it may not
             result.transient = isinstance(e, StoreError) and not isinstance(e, (CorruptBlob, UnsafeStore))
             result.retryable = result.transient or phases.current in ("fetch", "upload", "lease")
+            result.failed_in = phases.current
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
     if ctx.found is not None:

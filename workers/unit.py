@@ -164,6 +164,7 @@ class UnitResult:
     transfer: Transfer = field(default_factory=Transfer)
     note: str | None = None  # how a hit was accepted when the manifest alone did not settle it
     transient: bool = False  # failed because the store could not be reached: the job runs it again shortly
+    failed_in: str | None = None  # the phase it failed in (fetch, load, lower, verify, …)
 
     def to_row(self, job_id: str) -> dict[str, Any]:
         t = self.timings

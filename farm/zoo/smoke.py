@@ -1,16 +1,11 @@
-"""A built-in smoke zoo in plain PyTorch (no downloads): small models of the shapes real
-ones have, each exported with a dynamic batch dimension (and sequence where it applies)."""
+"""The smoke suite: small models in plain PyTorch, of the shapes real ones have."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
-
 import torch
-import yaml
 import torch.nn.functional as F
 from torch import nn
-from torch.export import Dim
+
+from farm.zoo.entry import BATCH, SEQ, ZooModel
 
 
 class MLP(nn.Module):
@@ -81,49 +76,11 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln(x))
 
 
-@dataclass(frozen=True)
-class ZooModel:
-    name: str
-    build: Callable[[], nn.Module]
-    example: Callable[[], tuple]
-    dynamic: Callable[[], dict]
-
-
-BATCH = lambda: Dim("batch", min=1, max=64)  # noqa: E731
-SEQ = lambda: Dim("seq", min=2, max=64)  # noqa: E731
-
-ZOO: dict[str, ZooModel] = {
-    m.name: m
-    for m in (
-        ZooModel("mlp", MLP, lambda: (torch.randn(8, 32),), lambda: {"x": {0: BATCH()}}),
-        ZooModel("cnn", SmallCNN, lambda: (torch.randn(4, 3, 16, 16),), lambda: {"x": {0: BATCH()}}),
-        ZooModel("encoder_block", Block, lambda: (torch.randn(4, 16, 32),), lambda: {"x": {0: BATCH(), 1: SEQ()}}),
-        ZooModel("gpt", TinyGPT, lambda: (torch.randint(0, 128, (2, 16)),), lambda: {"ids": {0: BATCH(), 1: SEQ()}}),
-    )
-}
-
-
-def export_model(name: str) -> torch.export.ExportedProgram:
-    spec = ZOO[name]
-    torch.manual_seed(0)
-    model = spec.build().eval()
-    return torch.export.export(model, spec.example(), dynamic_shapes=spec.dynamic())
-
-
-def export_zoo(dest: Path, names: list[str] | None = None) -> list[Path]:
-    """Write each model's .pt2 and a job.yaml that compiles them all for aoti-cpu."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    unknown = set(names or []) - set(ZOO)
-    if unknown:
-        raise ValueError(f"unknown zoo models {sorted(unknown)}; the zoo has {', '.join(ZOO)}")
-    paths = []
-    for name in names or list(ZOO):
-        path = dest / f"{name}.pt2"
-        tmp = path.with_name(f".{name}.tmp.pt2")
-        torch.export.save(export_model(name), str(tmp))
-        tmp.replace(path)  # never leave half a .pt2 where a job may pick it up
-        paths.append(path)
-    job = {"name": "zoo", "graphs": [p.name for p in paths], "targets": ["aoti-cpu"]}
-    (dest / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-    return paths
+ENTRIES = (
+    ZooModel("mlp", "mlp", MLP, lambda: ((torch.randn(8, 32),), {}), lambda: {"x": {0: BATCH()}}),
+    ZooModel("cnn", "cnn", SmallCNN, lambda: ((torch.randn(4, 3, 16, 16),), {}), lambda: {"x": {0: BATCH()}}),
+    ZooModel("encoder_block", "transformer", Block, lambda: ((torch.randn(4, 16, 32),), {}),
+             lambda: {"x": {0: BATCH(), 1: SEQ()}}),
+    ZooModel("gpt", "transformer", TinyGPT, lambda: ((torch.randint(0, 128, (2, 16)),), {}),
+             lambda: {"ids": {0: BATCH(), 1: SEQ()}}),
+)

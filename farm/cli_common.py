@@ -1,0 +1,27 @@
+"""What every `farm` command shares: the store option and how errors are reported."""
+from __future__ import annotations
+
+import os
+
+import typer
+
+DEFAULT_STORE = os.environ.get("FARM_STORE", ".farm/store")
+StoreOpt = typer.Option(DEFAULT_STORE, "--store", help="a directory, file://… or s3://bucket/prefix (env FARM_STORE)")
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    from rich.markup import escape
+
+    from farm.console import console
+
+    console.print(f"[red]error:[/red] {escape(message)}")
+    return typer.Exit(code)
+
+
+def open_store(uri: str):
+    from storage import CacheConfig, StoreError, store_from_uri
+
+    try:
+        return store_from_uri(uri, CacheConfig.from_env())
+    except (ValueError, StoreError) as e:
+        raise fail(str(e)) from e

@@ -1,0 +1,142 @@
+"""`farm zoo run`: one nightly run of a zoo suite.
+
+The suite's entries are exported on the cluster's workers (an export that fails is a result
+row, not a crash), compiled through the normal job path (keys, hits, autotune, Ray), and one
+row per (model, target) is appended to the store's history (storage/history.py). The run is
+then compared with the previous run of the suite (farm/regressions.py)."""
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import platform
+import secrets
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from farm.regressions import Regression, find_regressions
+from farm.zoo import ZooModel, export_bytes, load_suite
+from scheduler.jobs import Events, NoEvents, execute, new_job_id
+from scheduler.ray_pool import PoolConfig, RayRunner, TaskFailed, ray_session, run_tasks
+from scheduler.spec import parse_job
+from storage import Store
+from storage.history import append_run, read_history
+from workers.unit import UnitResult
+
+EXPORT_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class NightlyRun:
+    run_id: str
+    date: str
+    rows: list[dict[str, Any]]
+    regressions: list[Regression]
+    history: Any  # pyarrow.Table: every run so far, this one included
+
+
+@dataclass(frozen=True)
+class Exported:
+    entry: ZooModel
+    path: Path | None
+    seconds: float | None
+    error: str | None  # why it was not exported (skipped or failed)
+    skipped: bool = False
+
+
+def run_suite(suite_ref: str, store: Store, address: str | None = None, date: str | None = None,
+              events: Events = NoEvents()) -> NightlyRun:
+    entries = load_suite(suite_ref)
+    run_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    suite_name = Path(suite_ref).stem if suite_ref.endswith(".py") else suite_ref.rpartition(":")[2] or suite_ref
+    run_id = f"zoo-{suite_name}-{run_at:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    base = {"run_id": run_id, "run_at": run_at, "suite": suite_name}
+    rows: list[dict[str, Any]] = []
+    with ray_session(address) as session, tempfile.TemporaryDirectory(prefix="farm-zoo-") as tmp:
+        exported = _export(suite_ref, entries, Path(tmp))
+        for e in exported:
+            if e.path is None:
+                rows += [_unbuilt_row(base, e, t) for t in e.entry.targets]
+        for spec, group in _jobs(run_id, [e for e in exported if e.path is not None]):
+            job_id = new_job_id(spec["name"])
+            runner = RayRunner(PoolConfig(), job_id=job_id, lookup_first=session.embedded)
+            outcome = execute(parse_job(spec, "farm zoo run"), store, runner, events=events, job_id=job_id)
+            by_name = {e.entry.name: e for e in group}
+            rows += [_row(base, by_name[r.graph], r, job_id) for r in outcome.results
+                     if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job
+    append_run(store, (date or run_at.date().isoformat()), run_id, rows)
+    history = read_history(store)
+    return NightlyRun(run_id, date or run_at.date().isoformat(), rows, find_regressions(history.to_pylist(), run_id),
+                      history)
+
+
+def _export(suite_ref: str, entries: list[ZooModel], dest: Path) -> list[Exported]:
+    """Every entry's program, exported on a worker; entries whose optional packages are missing here are skipped."""
+    out: dict[str, Exported] = {}
+    wanted = []
+    for entry in entries:
+        missing = entry.missing()
+        if missing:
+            out[entry.name] = Exported(entry, None, None, f"needs {', '.join(missing)} (pip install -e '.[hf]')", True)
+        else:
+            wanted.append(entry)
+    replies = run_tasks(export_bytes, [(suite_ref, e.name) for e in wanted], "zoo export", EXPORT_TIMEOUT_S)
+    for entry, reply in zip(wanted, replies):
+        if isinstance(reply, TaskFailed):
+            out[entry.name] = Exported(entry, None, None, f"export failed: {reply.error}")
+            continue
+        data, seconds = reply
+        path = dest / f"{entry.name}.pt2"
+        path.write_bytes(data)
+        out[entry.name] = Exported(entry, path, seconds, None)
+    return [out[e.name] for e in entries]
+
+
+def _jobs(run_id: str, ready: list[Exported]) -> list[tuple[dict[str, Any], list[Exported]]]:
+    """One job per (targets, tolerances, modules): a job's verification settings apply to all its graphs."""
+    groups: dict[tuple, list[Exported]] = defaultdict(list)
+    for e in ready:
+        m = e.entry
+        groups[(m.targets, m.atol, m.rtol, m.modules)].append(e)
+    return [({"name": f"{run_id}-{i}", "targets": list(targets), "modules": list(modules),
+              "verify": {"atol": atol, "rtol": rtol},
+              "graphs": [{"path": str(e.path), "name": e.entry.name} for e in group]}, group)
+            for i, ((targets, atol, rtol, modules), group) in enumerate(groups.items())]
+
+
+def _toolchain(entry: ZooModel, components: dict[str, Any] | None) -> dict[str, Any]:
+    tools = (components or {}).get("toolchain", {})
+    if not tools:
+        from workers.keys import toolchain  # this host's: the unit failed before its key told the worker's
+        tools = toolchain()
+    transformers = None
+    if "transformers" in entry.needs:
+        try:
+            transformers = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"torch": tools.get("torch"), "torch_git": tools.get("torch_git"),
+            "python": tools.get("python", platform.python_version()), "cxx": tools.get("cxx"),
+            "transformers": transformers}
+
+
+def _row(base: dict[str, Any], e: Exported, r: UnitResult, job_id: str) -> dict[str, Any]:
+    table = r.to_row(job_id)
+    m = r.metrics
+    return {**base, "model": e.entry.name, "family": e.entry.family, "target": r.target, "status": r.status,
+            "failed_phase": (r.failed_in or "gang") if r.status == "failed" else None, "error": r.error,
+            "hit": r.status == "hit", "export_s": e.seconds,
+            "compile_s": table["compile_s"] if r.status == "compiled" else r.saved_s,
+            "max_abs_err": m.get("max_abs_err"), "max_rel_err": m.get("max_rel_err"),
+            "atol": e.entry.atol, "rtol": e.entry.rtol, "eager_ms": m.get("eager_ms"),
+            "compiled_ms": m.get("compiled_ms"), "speedup": m.get("speedup"),
+            "artifact_bytes": r.artifact.size if r.artifact else None, "key": r.key, "job_id": job_id,
+            **_toolchain(e.entry, r.components)}
+
+
+def _unbuilt_row(base: dict[str, Any], e: Exported, target: str) -> dict[str, Any]:
+    return {**base, "model": e.entry.name, "family": e.entry.family, "target": target,
+            "status": "skipped" if e.skipped else "failed", "failed_phase": None if e.skipped else "export",
+            "error": e.error, "hit": False, "atol": e.entry.atol, "rtol": e.entry.rtol, **_toolchain(e.entry, None)}
