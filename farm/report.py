@@ -25,10 +25,16 @@ def _runs(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
     return sorted({(r["run_id"], r["run_at"]) for r in rows}, key=lambda x: x[1])
 
 
+def _night(row: dict[str, Any]) -> str:
+    """A run's place on the time axis: its history date, and its start time to tell two runs of a day apart."""
+    return f"{row['date']} {row['run_at']:%H:%M}"
+
+
 def _figure(title: str, ytitle: str, percent: bool = False) -> go.Figure:
     fig = go.Figure()
-    fig.update_layout(title=title, yaxis_title=ytitle, template="plotly_white", height=360,
+    fig.update_layout(title=title, yaxis_title=ytitle, template="plotly_white", width=660, height=380,
                       margin=dict(l=60, r=20, t=50, b=40), legend=dict(orientation="h", y=-0.2))
+    fig.update_xaxes(type="category", categoryorder="category ascending", title="run (history date, start time)")
     if percent:
         fig.update_yaxes(tickformat=".0%", range=[0, 1.05])
     return fig
@@ -44,7 +50,7 @@ def pass_rate(rows: list[dict[str, Any]]) -> go.Figure:
     by_target: dict[str, dict[Any, list[bool]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if r["status"] != "skipped":
-            by_target[r["target"]][r["run_at"]].append(r["status"] in PASSED)
+            by_target[r["target"]][_night(r)].append(r["status"] in PASSED)
     for target, runs in sorted(by_target.items()):
         xs = sorted(runs)
         fig.add_trace(go.Scatter(x=xs, y=[sum(runs[x]) / len(runs[x]) for x in xs], mode="lines+markers", name=target,
@@ -57,7 +63,7 @@ def per_model(rows: list[dict[str, Any]], column: str, title: str, ytitle: str) 
     series: dict[str, list[tuple[Any, float]]] = defaultdict(list)
     for r in rows:
         if r["status"] in PASSED and r.get(column):
-            series[f"{r['model']} · {r['target']}"].append((r["run_at"], r[column]))
+            series[f"{r['model']} · {r['target']}"].append((_night(r), r[column]))
     for name, points in sorted(series.items()):
         points.sort()
         fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers", name=name))
@@ -66,10 +72,12 @@ def per_model(rows: list[dict[str, Any]], column: str, title: str, ytitle: str) 
 
 def speedup(rows: list[dict[str, Any]]) -> go.Figure:
     fig = per_model(rows, "speedup", "Speedup over eager (latest geomean dashed)", "eager / compiled latency")
-    runs = _runs(rows)
-    geo = [(at, _geomean([r["speedup"] for r in rows if r["run_id"] == rid and r["status"] in PASSED]))
-           for rid, at in runs]
-    geo = [(at, g) for at, g in geo if g]
+    geo = []
+    for rid, _ in _runs(rows):
+        mine = [r for r in rows if r["run_id"] == rid]
+        g = _geomean([r["speedup"] for r in mine if r["status"] in PASSED])
+        if g:
+            geo.append((_night(mine[0]), g))
     if geo:
         fig.add_trace(go.Scatter(x=[g[0] for g in geo], y=[g[1] for g in geo], name="geomean",
                                  mode="lines+markers", line=dict(dash="dash", width=3, color="black")))
@@ -78,11 +86,11 @@ def speedup(rows: list[dict[str, Any]]) -> go.Figure:
 
 def hit_rate(rows: list[dict[str, Any]]) -> go.Figure:
     fig = _figure("Cache hit rate", "units answered from the store", percent=True)
-    runs = _runs(rows)
     rates = []
-    for rid, at in runs:
-        done = [r for r in rows if r["run_id"] == rid and r["status"] in PASSED]
-        rates.append((at, sum(bool(r["hit"]) for r in done) / len(done) if done else 0.0))
+    for rid, _ in _runs(rows):
+        mine = [r for r in rows if r["run_id"] == rid]
+        done = [r for r in mine if r["status"] in PASSED]
+        rates.append((_night(mine[0]), sum(bool(r["hit"]) for r in done) / len(done) if done else 0.0))
     fig.add_trace(go.Bar(x=[a for a, _ in rates], y=[v for _, v in rates], name="hit rate",
                          text=[f"{v:.0%}" for _, v in rates], textposition="auto"))
     return fig
@@ -108,14 +116,14 @@ def _regressions_html(regressions: list[Regression], latest: str, previous: str 
 def _latest_html(rows: list[dict[str, Any]], run_id: str) -> str:
     def fmt(v: Any, spec: str) -> str:
         return "" if v is None else format(v, spec)
-    body = [[r["model"], r["target"], r["status"] + (" (hit)" if r["hit"] else ""), fmt(r["compile_s"], ".1f"),
+    body = [[r["model"], r["target"], r["status"], fmt(r["compile_s"], ".1f"),
              fmt(r["speedup"], ".2f"), fmt(r["max_abs_err"], ".2g"), (r.get("error") or "")[:160]]
             for r in rows if r["run_id"] == run_id]
     return _table(["model", "target", "status", "compile s", "speedup", "max error", "error"], body, "latest")
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222}h1{margin-bottom:4px}
-.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:12px}
+.grid{display:flex;flex-wrap:wrap;gap:12px}
 table{border-collapse:collapse;margin:8px 0 20px}td,th{border:1px solid #ddd;padding:4px 8px;font-size:13px;text-align:left}
 th{background:#f3f3f3}.bad{color:#b00020;font-weight:600}.ok{color:#1b7f3b;font-weight:600}
 table.regressions td{background:#fff3f3}"""

@@ -1,0 +1,126 @@
+"""Nightly zoo runs: a team's suite run twice on the test cluster (night 2 makes one entry far
+slower to compile and breaks another), the history read back three ways, the report opened in
+a real headless browser, and the Hugging Face entries exported as the zoo promises."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from storage import store_from_uri
+from storage.history import read_history
+
+pytestmark = pytest.mark.slow
+SUITE = Path(__file__).parent / "fixtures" / "team_zoo.py"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def two_nights(ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("nightly")
+    suite, store, report = root / "team_zoo.py", root / "store", root / "report.html"
+    runs = []
+    for night, date in ((1, "2026-11-21"), (2, "2026-11-22")):
+        suite.write_text(SUITE.read_text().replace("NIGHT = 1", f"NIGHT = {night}"))
+        runs.append(subprocess.run(
+            [sys.executable, "-m", "farm", "zoo", "run", "--suite", str(suite), "--store", str(store),
+             "--address", ray_cluster.address, "--report", str(report), "--date", date],
+            capture_output=True, text=True, timeout=900))
+    return store, report, runs
+
+
+def test_second_night_reports_the_slower_and_the_broken_entry_and_exits_non_zero(two_nights):
+    _, _, (first, second) = two_nights
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "no regressions" in first.stdout
+    assert second.returncode == 1, second.stdout + second.stderr
+    out = " ".join((second.stdout + second.stderr).split())  # regressions go to stderr, with the errors
+    assert "2 regression(s)" in out
+    assert "broken · aoti-cpu: new failure: passed last run; now fails in export" in out
+    assert "a config change broke this model" in out
+    assert "deep · aoti-cpu: compile time:" in out
+    assert "steady" not in out.split("regression(s)")[1]  # unchanged: a hit, not a regression
+
+
+def test_history_is_parquet_by_date_and_reads_back_with_pyarrow_pandas_and_duckdb(two_nights):
+    import duckdb
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    store, _, _ = two_nights
+    folder = store / "history"
+    assert sorted(p.name for p in folder.iterdir()) == ["date=2026-11-21", "date=2026-11-22"]
+    table = ds.dataset(folder, format="parquet", partitioning="hive").to_table()
+    assert table.num_rows == 6
+    frame = pd.read_parquet(folder)
+    night2 = frame[frame["date"].astype(str) == "2026-11-22"].set_index("model")
+    assert night2.loc["broken", "status"] == "failed" and night2.loc["broken", "failed_phase"] == "export"
+    assert night2.loc["steady", "status"] == "hit" and night2.loc["steady", "hit"]
+    assert night2.loc["deep", "status"] == "compiled" and night2.loc["deep", "torch"].startswith("2.")
+    assert night2.loc["deep", "speedup"] > 0 and night2.loc["deep", "artifact_bytes"] > 0
+    counts = duckdb.sql(f"select date, count(*), count(*) filter (where status = 'failed') "
+                        f"from read_parquet('{folder}/*/*.parquet', hive_partitioning=true) "
+                        f"group by date order by date").fetchall()
+    assert [(str(d), n, f) for d, n, f in counts] == [("2026-11-21", 3, 0), ("2026-11-22", 3, 1)]
+    # the store's own reader agrees, with the same columns
+    rows = read_history(store_from_uri(str(store))).to_pylist()
+    assert len(rows) == 6 and {r["date"] for r in rows} == {"2026-11-21", "2026-11-22"}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (./dev test installs it)")
+def test_report_renders_its_plots_offline_in_a_headless_browser(two_nights, tmp_path):
+    from PIL import Image
+
+    store, _, _ = two_nights
+    report = tmp_path / "report.html"
+    regenerated = subprocess.run([sys.executable, "-m", "farm", "zoo", "report", "--store", str(store),
+                                  "--report", str(report)], capture_output=True, text=True, timeout=300)
+    assert regenerated.returncode == 0 and "(2 runs)" in regenerated.stdout, regenerated.stdout + regenerated.stderr
+    assert "<script src=" not in report.read_text()  # nothing to fetch: plotly.js is inside
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000"]
+    dom = subprocess.run([*flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert dom.count('class="main-svg"') >= 8, "plotly drew fewer than 4 plots"  # two SVG layers per plot
+    for text in ("Pass rate per target", "Compile time per model", "Speedup over eager", "Cache hit rate",
+                 "2 regressions in", "compile time"):
+        assert text in dom, text
+    shot = tmp_path / "report.png"
+    subprocess.run([*flags, "--window-size=1400,1300", f"--screenshot={shot}", report.as_uri()],
+                   capture_output=True, timeout=120)
+    pixels = Image.open(shot).convert("RGB").getdata()
+    # what a person sees: plotted lines and bars in plotly's trace colours, and the regressions in red
+    traces = sum(1 for p in pixels if abs(p[0] - 99) < 20 and abs(p[1] - 110) < 20 and abs(p[2] - 250) < 20)
+    compile_up = sum(1 for p in pixels if p[0] > 220 and 70 < p[1] < 110 and 40 < p[2] < 90)  # #EF553B
+    alarm = sum(1 for p in pixels if 150 < p[0] < 200 and p[1] < 30 and p[2] < 60)  # #b00020
+    assert traces > 2000 and compile_up > 100 and alarm > 100, (traces, compile_up, alarm)
+
+
+def test_hugging_face_entries_export_with_dynamic_batch_and_sequence():
+    pytest.importorskip("transformers")
+    import torch
+
+    from farm.zoo import SUITES, ZOO, export_entry
+
+    assert {"bert", "gpt2", "llama", "t5_encoder", "vit", "mixtral_moe"} <= {n.removeprefix("hf_") for n in SUITES["hf"]}
+    for name in SUITES["hf"]:
+        entry = ZOO[name]
+        assert entry.needs == ("transformers",) and "transformers.modeling_outputs" in entry.modules
+        ep = export_entry(entry)
+        dims = {str(s) for s in ep.range_constraints}
+        text = name != "hf_vit"
+        assert len(dims) == (2 if text else 1), (name, ep.range_constraints)  # batch, and sequence for text
+        args, kwargs = entry.example()
+        torch.testing.assert_close(ep.module()(*args, **kwargs), entry_output(entry, args, kwargs))
+
+
+def entry_output(entry, args, kwargs):
+    import torch
+
+    torch.manual_seed(0)
+    model = entry.build().eval()
+    with torch.no_grad():
+        return model(*args, **kwargs)
