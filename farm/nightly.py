@@ -22,7 +22,7 @@ from scheduler.jobs import Events, NoEvents, execute, new_job_id
 from scheduler.ray_pool import PoolConfig, RayRunner, TaskFailed, ray_session, run_tasks
 from scheduler.spec import parse_job
 from storage import Store
-from storage.history import append_run, read_history
+from storage.history import append_run, history_path, read_history
 from workers.unit import UnitResult
 
 EXPORT_TIMEOUT_S = 1800.0
@@ -50,8 +50,10 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
               events: Events = NoEvents()) -> NightlyRun:
     entries = load_suite(suite_ref)
     run_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
-    suite_name = Path(suite_ref).stem if suite_ref.endswith(".py") else suite_ref.rpartition(":")[2] or suite_ref
+    date = date or run_at.date().isoformat()
+    suite_name = Path(suite_ref).stem if suite_ref.endswith(".py") else suite_ref.replace(":", ".")
     run_id = f"zoo-{suite_name}-{run_at:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    history_path(date, run_id)  # a bad --date fails now, not after the compiles
     base = {"run_id": run_id, "run_at": run_at, "suite": suite_name}
     rows: list[dict[str, Any]] = []
     with ray_session(address) as session, tempfile.TemporaryDirectory(prefix="farm-zoo-") as tmp:
@@ -66,10 +68,9 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
             by_name = {e.entry.name: e for e in group}
             rows += [_row(base, by_name[r.graph], r, job_id) for r in outcome.results
                      if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job
-    append_run(store, (date or run_at.date().isoformat()), run_id, rows)
+    append_run(store, date, run_id, rows)
     history = read_history(store)
-    return NightlyRun(run_id, date or run_at.date().isoformat(), rows, find_regressions(history.to_pylist(), run_id),
-                      history)
+    return NightlyRun(run_id, date, rows, find_regressions(history.to_pylist(), run_id), history)
 
 
 def _export(suite_ref: str, entries: list[ZooModel], dest: Path) -> list[Exported]:

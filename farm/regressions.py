@@ -41,6 +41,8 @@ def _over_tolerance(row: dict[str, Any]) -> bool:
 
 def find_regressions(rows: list[dict[str, Any]], run_id: str) -> list[Regression]:
     before_id = previous_run(rows, run_id)
+    if before_id is None:
+        return []  # a suite's first run: nothing to regress from (its failures are in the report)
     before = {(r["model"], r["target"]): r for r in rows if r["run_id"] == before_id}
     found = []
     for now in (r for r in rows if r["run_id"] == run_id):

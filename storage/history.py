@@ -8,6 +8,7 @@ A run's file is written once (a conditional write) and never changed. The column
 HISTORY_SCHEMA below; README.md 'Nightly zoo' shows how to read them back."""
 from __future__ import annotations
 
+import datetime as dt
 import io
 import re
 from typing import Any, Iterable
@@ -59,8 +60,12 @@ HISTORY_SCHEMA = pa.schema([
 
 def history_path(date: str, run_id: str) -> str:
     path = f"{HISTORY_PREFIX}date={date}/{run_id}.parquet"
+    try:
+        dt.date.fromisoformat(date)
+    except ValueError:
+        path = ""
     if not _PATH.fullmatch(path):
-        raise ValueError(f"history: date {date!r} must be YYYY-MM-DD and run id {run_id!r} a plain name")
+        raise ValueError(f"history: the date {date!r} must be a real YYYY-MM-DD and the run id {run_id!r} a plain name")
     return path
 
 
