@@ -6,6 +6,7 @@ row per (model, target) is appended to the store's history (storage/history.py).
 then compared with the previous run of the suite (farm/regressions.py)."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata
 import platform
@@ -14,7 +15,7 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 from farm.regressions import Regression, find_regressions
 from farm.zoo import ZooModel, export_bytes, load_suite
@@ -47,7 +48,8 @@ class Exported:
 
 
 def run_suite(suite_ref: str, store: Store, address: str | None = None, date: str | None = None,
-              events: Events = NoEvents()) -> NightlyRun:
+              progress: Callable[[], ContextManager[Events]] = lambda: contextlib.nullcontext(NoEvents())) -> NightlyRun:
+    """`progress` makes the events of one job (a live bar per job in the CLI)."""
     entries = load_suite(suite_ref)
     run_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     date = date or run_at.date().isoformat()
@@ -64,7 +66,8 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
         for spec, group in _jobs(run_id, [e for e in exported if e.path is not None]):
             job_id = new_job_id(spec["name"])
             runner = RayRunner(PoolConfig(), job_id=job_id, lookup_first=session.embedded)
-            outcome = execute(parse_job(spec, "farm zoo run"), store, runner, events=events, job_id=job_id)
+            with progress() as events:
+                outcome = execute(parse_job(spec, "farm zoo run"), store, runner, events=events, job_id=job_id)
             by_name = {e.entry.name: e for e in group}
             rows += [_row(base, by_name[r.graph], r, job_id) for r in outcome.results
                      if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job

@@ -67,8 +67,7 @@ def zoo_run(
 
     s = open_store(store)
     try:
-        with ProgressEvents() as events:
-            run = run_suite(suite, s, address=address, date=date, events=events)
+        run = run_suite(suite, s, address=address, date=date, progress=ProgressEvents)
     except (ValueError, SpecError, StoreError) as e:
         raise fail(str(e)) from e
     write_report(run.history.to_pylist(), report)

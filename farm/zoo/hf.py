@@ -62,5 +62,8 @@ ENTRIES = (
     ZooModel("hf_t5_encoder", "encoder", t5_encoder, _ids, _text_dims, **HF),
     ZooModel("hf_vit", "vision", vit, lambda: ((), {"pixel_values": torch.randn(2, 3, 32, 32)}),
              lambda: {"pixel_values": {0: BATCH()}}, **HF),
-    ZooModel("hf_mixtral_moe", "moe", mixtral, _ids, _text_dims, **HF),
+    # its experts run as transformers' own custom op (grouped_mm_fallback), registered when its module is imported:
+    # before the program is loaded, and wherever the artifact runs
+    ZooModel("hf_mixtral_moe", "moe", mixtral, _ids, _text_dims,
+             **{**HF, "modules": (*HF["modules"], "transformers.integrations.moe")}),
 )
