@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import importlib.metadata
-import platform
 import secrets
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -24,6 +22,7 @@ from scheduler.ray_pool import PoolConfig, RayRunner, TaskFailed, ray_session, r
 from scheduler.spec import parse_job
 from storage import Store
 from storage.history import append_run, history_path, read_history
+from workers.keys import toolchain
 from workers.unit import UnitResult
 
 EXPORT_TIMEOUT_S = 1800.0
@@ -45,6 +44,7 @@ class Exported:
     seconds: float | None
     error: str | None  # why it was not exported (skipped or failed)
     skipped: bool = False
+    packages: dict[str, str] = field(default_factory=dict)  # optional packages' versions on the exporting worker
 
 
 def run_suite(suite_ref: str, store: Store, address: str | None = None, date: str | None = None,
@@ -91,10 +91,10 @@ def _export(suite_ref: str, entries: list[ZooModel], dest: Path) -> list[Exporte
         if isinstance(reply, TaskFailed):
             out[entry.name] = Exported(entry, None, None, f"export failed: {reply.error}")
             continue
-        data, seconds = reply
+        data, seconds, packages = reply
         path = dest / f"{entry.name}.pt2"
         path.write_bytes(data)
-        out[entry.name] = Exported(entry, path, seconds, None)
+        out[entry.name] = Exported(entry, path, seconds, None, packages=packages)
     return [out[e.name] for e in entries]
 
 
@@ -110,20 +110,11 @@ def _jobs(run_id: str, ready: list[Exported]) -> list[tuple[dict[str, Any], list
             for i, ((targets, atol, rtol, modules), group) in enumerate(groups.items())]
 
 
-def _toolchain(entry: ZooModel, components: dict[str, Any] | None) -> dict[str, Any]:
-    tools = (components or {}).get("toolchain", {})
-    if not tools:
-        from workers.keys import toolchain  # this host's: the unit failed before its key told the worker's
-        tools = toolchain()
-    transformers = None
-    if "transformers" in entry.needs:
-        try:
-            transformers = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return {"torch": tools.get("torch"), "torch_git": tools.get("torch_git"),
-            "python": tools.get("python", platform.python_version()), "cxx": tools.get("cxx"),
-            "transformers": transformers}
+def _toolchain(e: Exported, components: dict[str, Any] | None) -> dict[str, Any]:
+    """The worker's toolchain from the unit's key components; this host's for a unit that never had a key."""
+    tools = (components or {}).get("toolchain") or toolchain()
+    return {"torch": tools.get("torch"), "torch_git": tools.get("torch_git"), "python": tools.get("python"),
+            "cxx": tools.get("cxx"), "transformers": e.packages.get("transformers")}
 
 
 def _row(base: dict[str, Any], e: Exported, r: UnitResult, job_id: str) -> dict[str, Any]:
@@ -137,10 +128,10 @@ def _row(base: dict[str, Any], e: Exported, r: UnitResult, job_id: str) -> dict[
             "atol": e.entry.atol, "rtol": e.entry.rtol, "eager_ms": m.get("eager_ms"),
             "compiled_ms": m.get("compiled_ms"), "speedup": m.get("speedup"),
             "artifact_bytes": r.artifact.size if r.artifact else None, "key": r.key, "job_id": job_id,
-            **_toolchain(e.entry, r.components)}
+            **_toolchain(e, r.components)}
 
 
 def _unbuilt_row(base: dict[str, Any], e: Exported, target: str) -> dict[str, Any]:
     return {**base, "model": e.entry.name, "family": e.entry.family, "target": target,
             "status": "skipped" if e.skipped else "failed", "failed_phase": None if e.skipped else "export",
-            "error": e.error, "hit": False, "atol": e.entry.atol, "rtol": e.entry.rtol, **_toolchain(e.entry, None)}
+            "error": e.error, "hit": False, "atol": e.entry.atol, "rtol": e.entry.rtol, **_toolchain(e, None)}

@@ -60,13 +60,17 @@ HISTORY_SCHEMA = pa.schema([
 
 def history_path(date: str, run_id: str) -> str:
     path = f"{HISTORY_PREFIX}date={date}/{run_id}.parquet"
-    try:
-        dt.date.fromisoformat(date)
-    except ValueError:
-        path = ""
-    if not _PATH.fullmatch(path):
+    if not _PATH.fullmatch(path) or not _real_date(date):
         raise ValueError(f"history: the date {date!r} must be a real YYYY-MM-DD and the run id {run_id!r} a plain name")
     return path
+
+
+def _real_date(date: str) -> bool:
+    try:
+        dt.date.fromisoformat(date)
+        return True
+    except ValueError:
+        return False
 
 
 def append_run(store: Store, date: str, run_id: str, rows: Iterable[dict[str, Any]]) -> str:

@@ -8,6 +8,7 @@ Every entry exports with a dynamic batch dimension, and a dynamic sequence one w
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import io
 import time
@@ -60,15 +61,16 @@ def load_suite(ref: str) -> list[ZooModel]:
     return list(found)
 
 
-def export_bytes(suite_ref: str, name: str) -> tuple[bytes, float]:
-    """Run on a worker: export one entry of a suite; the .pt2 archive's bytes and the seconds it took."""
+def export_bytes(suite_ref: str, name: str) -> tuple[bytes, float, dict[str, str]]:
+    """Run on a worker: export one entry of a suite; the .pt2 archive's bytes, the seconds it
+    took, and the versions of the optional packages it was built with (this worker's)."""
     entry = next(e for e in load_suite(suite_ref) if e.name == name)
     start = time.perf_counter()
     ep = export_entry(entry)
     seconds = time.perf_counter() - start
     buf = io.BytesIO()
     torch.export.save(ep, buf)
-    return buf.getvalue(), seconds
+    return buf.getvalue(), seconds, {n: importlib.metadata.version(n) for n in entry.needs}
 
 
 def entries(names: list[str]) -> list[ZooModel]:
