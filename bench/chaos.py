@@ -88,7 +88,8 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_TOKEN", os.urandom(16).hex())
 
     from scheduler.jobs import execute
-    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+    from scheduler.ray_pool import PoolConfig, RayRunner
+    from scheduler.ray_session import ray_session
     from scheduler.spec import parse_job
     from storage import store_from_uri
     from tests.faulty_proxy import FaultyProxy

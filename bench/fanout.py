@@ -56,7 +56,8 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-farm")  # inherited by the workers
     from scheduler.spec import parse_job
     from scheduler.jobs import execute
-    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+    from scheduler.ray_pool import PoolConfig, RayRunner
+    from scheduler.ray_session import ray_session
     from storage import store_from_uri
 
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})

@@ -35,7 +35,8 @@ def _side(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     from scheduler.spec import parse_job
     from scheduler.jobs import execute
-    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+    from scheduler.ray_pool import PoolConfig, RayRunner
+    from scheduler.ray_session import ray_session
     from storage import store_from_uri
 
     spec = json.loads(args.job)

@@ -61,7 +61,8 @@ def main() -> None:
     print(f"warm / cold = {warm_s / cold_s:.3f}  (goal <= 0.05)")
 
     if args.ray:
-        from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
+        from scheduler.ray_pool import PoolConfig, RayRunner
+        from scheduler.ray_session import ray_session
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-ray")  # inherited by the workers
         ray_store = store_from_uri(str(root / "store-ray") if not args.store else args.store.rstrip("/") + "-ray")

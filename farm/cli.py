@@ -1,12 +1,15 @@
 """`farm`: compile exported programs into a store and read back what the farm made."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from farm import client
 from farm.cli_common import StoreOpt, fail as _fail, open_store as _open_store
 from farm.zoo_cli import zoo_app
 from scheduler.spec import JobSpec, SpecError, VerifySpec, load_job, parse_job
@@ -15,28 +18,34 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile fa
 app.add_typer(zoo_app, name="zoo")
 
 
-def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> None:
+def _json(obj) -> None:
+    """Machine-readable output on stdout (`--json`): one JSON document."""
+    typer.echo(json.dumps(obj, indent=1, default=str))
+
+
+def _run_job(start, store_uri: str) -> None:
+    """Run a job through the Python API (`start(events)` → JobHandle) with a live bar, then the
+    results table and what to do next."""
     from farm.console import ProgressEvents, console, failure_logs, out, results_table, stats_line
-    from scheduler.jobs import execute, run_in_process
+    from scheduler.ray_session import JoinFailed
     from storage import StoreError
 
-    store = _open_store(store_uri)
     try:
         with ProgressEvents() as events:
-            outcome = execute(job, store, runner or run_in_process, events=events, job_id=job_id)
-    except (StoreError, SpecError) as e:
+            outcome = start(events).outcome
+    except (StoreError, SpecError, JoinFailed) as e:
         raise _fail(str(e)) from e
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
     out.print(results_table(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"))
     out.print(
         f"{outcome.count('compiled')} compiled, {outcome.count('hit')} hits, {outcome.count('failed')} failed, "
         f"{outcome.retries} retries. "
-        f"Artifacts and results are in {store.uri} (results: jobs/{outcome.job_id}/results.parquet)."
+        f"Artifacts and results are in {outcome.store_uri} (results: jobs/{outcome.job_id}/results.parquet)."
     )
     out.print(stats_line(outcome.stats))
     key = next((r.key for r in outcome.results if r.status in ("compiled", "hit")), None)
     if key:
-        out.print(f"Fetch one (it prints how to load it): farm fetch {key} model.pt2 --store {store_uri}")
+        out.print(f"Fetch one (it prints how to load it): farm fetch {key[:16]} model.pt2 --store {store_uri}")
     if outcome.count("compiled"):
         out.print(f"Why were there misses? farm explain --job {outcome.job_id} --store {store_uri}")
     if outcome.count("failed"):
@@ -44,6 +53,11 @@ def _run_job(job, store_uri: str, runner=None, job_id: str | None = None) -> Non
         for line in failure_logs(rows, store_uri):
             console.print(line)
         raise typer.Exit(1)
+
+
+def _store_or_fail(store_uri: str):
+    _open_store(store_uri)  # a bad URI is reported before anything starts
+    return store_uri
 
 
 @app.command()
@@ -66,7 +80,7 @@ def compile(
         )
     except SpecError as e:
         raise _fail(str(e)) from e
-    _run_job(job, store)
+    _run_job(lambda events: client.run(job, _store_or_fail(store), events=events), store)
 
 
 @app.command()
@@ -76,7 +90,7 @@ def run(job_file: Path = typer.Argument(..., help="job spec (YAML)"), store: str
         job = load_job(job_file)
     except SpecError as e:
         raise _fail(str(e)) from e
-    _run_job(job, store)
+    _run_job(lambda events: client.run(job, _store_or_fail(store), events=events), store)
 
 
 @app.command()
@@ -87,26 +101,27 @@ def submit(
     workers: Optional[int] = typer.Option(None, help="workers per device class (default: the job's limits, else every slot)"),
     timeout: Optional[float] = typer.Option(None, help="seconds before a unit is failed as timeout (default: the job's)"),
     retries: Optional[int] = typer.Option(None, help="re-queues of a unit whose worker died (default: the job's)"),
+    metrics_port: Optional[int] = typer.Option(None, help="an embedded Ray's Prometheus endpoint (127.0.0.1:PORT/metrics)"),
 ) -> None:
     """Run a job on Ray: long-lived workers per device class, live progress, results in the store."""
     from farm.console import console
-    from scheduler.jobs import new_job_id
-    from scheduler.ray_pool import PoolConfig, RayRunner, ray_session
 
     try:
         job = load_job(job_file)
     except SpecError as e:
         raise _fail(str(e)) from e
-    if timeout:
-        job = job.model_copy(update={"limits": job.limits.model_copy(update={"timeout_s": timeout})})
-    limits = job.limits
-    config = PoolConfig(workers=workers or limits.workers, retries=limits.retries if retries is None else retries)
-    job_id = new_job_id(job.name)
-    with ray_session(address) as session:
+    update = {"timeout_s": timeout} if timeout else {}
+    if retries is not None:
+        update["retries"] = retries
+    job = job.model_copy(update={"limits": job.limits.model_copy(update=update)})
+
+    def joined(session, job_id: str) -> None:
         if session.dashboard:
             console.print(f"Ray dashboard: {session.dashboard} (token: `ray get-auth-token`)")
-        console.print(f"job {job_id}: `farm status {job_id} --store {store}` from any machine")
-        _run_job(job, store, RayRunner(config, job_id=job_id, lookup_first=session.embedded), job_id=job_id)
+        console.print(f"job {job_id}: `farm status {job_id} --watch --store {store}` from any machine")
+
+    _run_job(lambda events: client.submit(job, _store_or_fail(store), address=address, workers=workers, events=events,
+                                          metrics_port=metrics_port, on_session=joined), store)
 
 
 @app.command()
@@ -119,47 +134,95 @@ def resources(slots: Optional[int] = typer.Option(None, help="CPU compile worker
     typer.echo(json.dumps(offered_resources(slots or os.cpu_count() or 1)))
 
 
+def _job_handle(job_id: str, store: str) -> "client.JobHandle":
+    try:
+        return client.job(job_id, _open_store(store))
+    except client.UnknownJob as e:
+        raise _fail(f"{e}; `farm status` needs a job id as `farm submit` printed it") from e
+
+
 @app.command()
-def status(job_id: str, store: str = StoreOpt) -> None:
+def status(
+    job_id: str = typer.Argument(..., help="job id (or a unique prefix)"),
+    store: str = StoreOpt,
+    watch: bool = typer.Option(False, "--watch", "-w", help="follow the job as a live table until it ends"),
+    every: float = typer.Option(2.0, help="seconds between reads of the store, with --watch"),
+    as_json: bool = typer.Option(False, "--json", help="print the status document as JSON"),
+) -> None:
     """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""
-    from farm.console import out
-    from scheduler.jobs import read_status
+    from farm.console import out, status_line, watch_status
 
-    doc = read_status(_open_store(store), job_id)
-    if doc is None:
-        raise _fail(f"no job {job_id} in {store}")
-    counts = " · ".join(f"{k} {doc[k]}" for k in ("total", "queued", "running", "compiled", "hit", "failed", "retries"))
-    out.print(f"{job_id}: {doc['state']} · {counts} · updated {doc.get('updated_at')}")
+    handle = _job_handle(job_id, store)
+    if watch:
+        doc = watch_status(handle.status, every)
+    else:
+        doc = handle.status()
+    if as_json:
+        if doc["state"] == "done":
+            with contextlib.suppress(client.UnknownJob):  # a job cut off before its stats were written has none
+                doc = {**doc, "stats": handle.stats()}
+        _json(doc)
+    elif not watch:
+        out.print(status_line(doc))
 
 
 @app.command()
-def fetch(key: str, dest: Path, store: str = StoreOpt) -> None:
+def fetch(
+    key: str = typer.Argument(..., help="unit key (or the unique prefix tables print)"),
+    dest: Path = typer.Argument(..., help="where to write the artifact"),
+    store: str = StoreOpt,
+    as_json: bool = typer.Option(False, "--json", help="print what was fetched as JSON"),
+) -> None:
     """Download the artifact of a unit KEY to DEST, verified against its digest."""
     from rich.markup import escape
 
     from farm.console import out
     from storage import StoreError
-    from storage.signing import describe
+
+    try:
+        facts = client.fetch(key, dest, _open_store(store))
+    except (StoreError, ValueError) as e:
+        raise _fail(str(e)) from e
+    if as_json:
+        _json(facts)
+        return
+    out.print(escape(f"{facts['path']}: {facts['graph']} for {facts['target']}") +
+              f" ({facts['bytes']} bytes, sha256 {facts['sha256'][:12]}… verified)")
+    signed = facts["signature"]
+    out.print(f"manifest {signed}" + ("" if facts["signatures_required"] else
+              " (not checked: set FARM_VERIFY_KEY to the farm's verify.pem to require signatures)"
+              if signed != "unsigned" else "; set FARM_VERIFY_KEY to refuse unsigned manifests"))
+    for how, label in (("load", "load with"), ("load_other_weights", "with another checkpoint")):
+        if facts.get(how):
+            out.print(escape(f"{label}: {facts[how]}"))
+
+
+@app.command()
+def trace(
+    key: str = typer.Argument(..., help="unit key (or the unique prefix tables print), compiled or failed"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="report folder (default: ./trace-KEY16)"),
+    job: Optional[str] = typer.Option(None, "--job", help="look only in this job's results (id or unique prefix)"),
+    raw: bool = typer.Option(False, "--raw", help="write the raw trace log only, without tlparse"),
+    store: str = StoreOpt,
+) -> None:
+    """Fetch a unit's torch trace (TORCH_TRACE of its lowering) and render it with tlparse into an
+    HTML report that opens offline."""
+    from rich.markup import escape
+
+    from farm.console import out as stdout
+    from farm.trace import TraceError, fetch_trace, find_trace, render
+    from storage import StoreError
 
     s = _open_store(store)
     try:
-        manifest = s.get_manifest(key)
-        if manifest is None:
-            raise _fail(f"no manifest for key {key} in {s.uri}; `farm results JOB` lists the keys of a job")
-        ref = manifest["blobs"]["artifact"]
-        s.fetch(ref["digest"], dest)
-    except (StoreError, ValueError) as e:
+        found = find_trace(s, key, _job_handle(job, store).job_id if job else None)
+        out = out or Path(f"trace-{found.key[:16]}")
+        out.mkdir(parents=True, exist_ok=True)
+        log_file = fetch_trace(s, found, out)
+        index = log_file if raw else render(log_file, out / "report")
+    except (TraceError, StoreError, ValueError) as e:
         raise _fail(str(e)) from e
-    facts = manifest.get("artifact", {})
-    out.print(escape(f"{dest}: {manifest['graph']} for {manifest['target']}") + f" ({ref['size']} bytes, sha256 {ref['digest'][:12]}… verified)")
-    signed = describe(manifest)
-    out.print(f"manifest {signed}" + ("" if s.trust.required else
-              " (not checked: set FARM_VERIFY_KEY to the farm's verify.pem to require signatures)"
-              if signed != "unsigned" else "; set FARM_VERIFY_KEY to refuse unsigned manifests"))
-    for how in ("load", "load_other_weights"):
-        if facts.get(how):
-            out.print(escape(f"{'load with' if how == 'load' else 'with another checkpoint'}: "
-                             f"{facts[how].replace('PATH', repr(str(dest)))}"))
+    stdout.print(escape(f"{found.graph}@{found.target} ({found.status}, key {found.key[:16]}…): {index}"))
 
 
 @app.command()
@@ -178,16 +241,24 @@ def keygen(folder: Path = typer.Argument(..., help="where to write signing.pem a
 
 
 @app.command()
-def results(job_id: str, store: str = StoreOpt) -> None:
+def results(
+    job_id: str = typer.Argument(..., help="job id (or a unique prefix)"),
+    store: str = StoreOpt,
+    as_json: bool = typer.Option(False, "--json", help="print the rows (storage.results.RESULTS_SCHEMA) as a JSON list"),
+) -> None:
     """Print the results table of a job from the store."""
     from farm.console import failure_logs, out, results_table, stats_line
-    from storage.results import read_results
     from storage.stats import JobStats
 
-    rows = read_results(_open_store(store), job_id)
-    if rows is None:
-        raise _fail(f"no results for job {job_id} in {store}")
-    out.print(results_table(rows, f"job {job_id}"))
+    handle = _job_handle(job_id, store)
+    try:
+        rows = handle.results().to_pylist()
+    except client.UnknownJob as e:
+        raise _fail(str(e)) from e
+    if as_json:
+        _json(rows)
+        return
+    out.print(results_table(rows, f"job {handle.job_id}"))
     out.print(stats_line(JobStats.from_rows(rows)))
     for line in failure_logs(rows, store):
         out.print(line)
@@ -196,10 +267,13 @@ def results(job_id: str, store: str = StoreOpt) -> None:
 @app.command()
 def explain(
     keys: list[str] = typer.Argument(None, help="two keys (or unique prefixes) to diff"),
-    job: Optional[str] = typer.Option(None, "--job", help="explain every miss of this job"),
+    job: Optional[str] = typer.Option(None, "--job", help="explain every miss of this job (id or unique prefix)"),
     store: str = StoreOpt,
+    as_json: bool = typer.Option(False, "--json", help="print the differences (or the job's misses) as JSON"),
 ) -> None:
     """Why did a unit not hit? Diff two keys, or explain every miss of a job against the closest key in the store."""
+    from dataclasses import asdict
+
     from farm.console import diff_table, out
     from rich.markup import escape
 
@@ -212,11 +286,19 @@ def explain(
     try:
         if job is None:
             a, b, diffs = explain_keys(s, *keys)
-            out.print(diff_table(diffs, a, b) if diffs else f"{a[:16]}… and {b[:16]}… have the same components")
+            if as_json:
+                _json({"a": a, "b": b, "diffs": [{"component": p, "a": va, "b": vb} for p, va, vb in diffs]})
+            else:
+                out.print(diff_table(diffs, a, b) if diffs else f"{a[:16]}… and {b[:16]}… have the same components")
             return
+        job = _job_handle(job, store).job_id
         misses = explain_job(s, job)
     except (ExplainError, StoreError) as e:
         raise _fail(str(e)) from e
+    if as_json:
+        _json([{**asdict(m), "diffs": [{"component": p, "this": va, "closest": vb} for p, va, vb in m.diffs]}
+               for m in misses])
+        return
     if not misses:
         out.print(f"job {job}: every unit was a hit")
     for m in misses:
@@ -236,13 +318,14 @@ def explain(
 
 
 @app.command()
-def log(digest_or_key: str, store: str = StoreOpt) -> None:
-    """Print a unit's log, by log digest (results' log_digest) or by unit key."""
+def log(digest_or_key: str = typer.Argument(..., help="a log digest (results' log_digest), or a unit key or its unique prefix"),
+        store: str = StoreOpt) -> None:
+    """Print a unit's log, by log digest or by unit key."""
     from storage import StoreError
 
     s = _open_store(store)
     try:
-        manifest = s.get_manifest(digest_or_key) if len(digest_or_key) == 64 else None
+        manifest = s.get_manifest(s.resolve_key(digest_or_key))
         digest = manifest["blobs"]["log"]["digest"] if manifest else digest_or_key
         typer.echo(s.get_bytes(digest).decode(errors="replace"))
     except (StoreError, ValueError) as e:

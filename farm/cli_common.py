@@ -1,11 +1,11 @@
 """What every `farm` command shares: the store option and how errors are reported."""
 from __future__ import annotations
 
-import os
-
 import typer
 
-DEFAULT_STORE = os.environ.get("FARM_STORE", ".farm/store")
+from storage.uri import default_store
+
+DEFAULT_STORE = default_store()
 StoreOpt = typer.Option(DEFAULT_STORE, "--store", help="a directory, file://… or s3://bucket/prefix (env FARM_STORE)")
 
 

@@ -1,68 +1,180 @@
-"""Using what the farm built, from Python (after `farm fetch KEY model.pt2`)."""
+"""The farm from Python: submit a job, follow it, read its results; fetch what it built.
+
+    from farm.client import submit
+    job = submit("job.yaml", store="s3://bucket/farm")      # or a dict, or a JobSpec
+    job.results().to_pandas()                                # one row per unit
+    job.stats()["hit_rate"]
+
+`farm submit`, `status`, `results`, `fetch` and their `--json` output are a thin layer over
+this module. Keys may be given as the unique prefixes tables print, job ids likewise.
+"""
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from torch.export import ExportedProgram
+import pyarrow as pa
+
+from farm.loading import load_compiled, load_tuned
+from scheduler.jobs import Events, JobOutcome, NoEvents, execute, new_job_id, read_status
+from scheduler.spec import JobSpec, load_job, parse_job
+from storage import CacheConfig, Store, UnknownKey, store_from_uri
+from storage.results import read_results_table
+from storage.stats import STATS_FILE
+from storage.uri import default_store
+
+__all__ = ["JobHandle", "UnknownJob", "fetch", "job", "load_compiled", "load_tuned", "resolve_job", "run", "submit"]
+
+class UnknownJob(ValueError):
+    """No job, or more than one, answers to the id (or prefix) asked for."""
 
 
-def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Path | None = None) -> Callable[..., Any]:
-    """Load an `aoti-cpu` package. For a package built with `weights: shapes`, `weights_from`
-    (an exported program, or the .pt2 it was saved to) supplies the checkpoint it runs with;
-    without it the package runs with the weights it was built with."""
-    import torch
-
-    from workers.backends.aoti_cpu import load_with_weights, program_constants
-    from workers.program import load_program
-
-    if weights_from is None:
-        return torch._inductor.aoti_load_package(str(artifact))
-    ep = weights_from if isinstance(weights_from, ExportedProgram) else load_program(Path(weights_from), str(weights_from))
-    return load_with_weights(Path(artifact), program_constants(ep))
+def _store(store: str | Store | None) -> Store:
+    """A store given by URI (None: FARM_STORE, else .farm/store), with the local disk tier workers use."""
+    return store if isinstance(store, Store) else store_from_uri(store or default_store(), CacheConfig.from_env())
 
 
-def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
-    """An autotuned unit from the store: its dynamic winner, plus every static specialization
-    autotune kept, each serving the inputs whose dimension has its size (the dynamic artifact
-    serves every other size)."""
-    from storage import store_from_uri
-
-    s, workdir = store_from_uri(store), Path(workdir)
-    manifest = s.get_manifest(key)  # signature checked when FARM_VERIFY_KEY is set
-    if manifest is None or "autotune" not in manifest:
-        raise ValueError(f"{key} is not an autotuned unit in {s.uri}")
-    blobs = manifest["blobs"]
-    fallback = load_compiled(s.fetch(blobs["artifact"]["digest"], workdir / "dynamic.pt2"))
-    names = _input_names(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key, workdir)
-    statics = []
-    for sp in manifest["autotune"]["specializations"]:
-        if sp["chosen"]:
-            name, dim = sp["dim"].rsplit(".", 1)
-            artifact = s.fetch(blobs[f"static {sp['dim']}={sp['size']}"]["digest"], workdir / f"{sp['dim']}={sp['size']}.pt2")
-            statics.append((names.index(name), int(dim), sp["size"], load_compiled(artifact)))
-
-    def run(*args: Any) -> Any:
-        for position, dim, size, model in statics:
-            if args[position].shape[dim] == size:
-                return model(*args)
-        return fallback(*args)
-
-    return run
+def _job_spec(spec: JobSpec | dict | str | Path) -> JobSpec:
+    if isinstance(spec, JobSpec):
+        return spec
+    if isinstance(spec, dict):
+        return parse_job(spec, "the job given to submit()", base_dir=Path.cwd())
+    return load_job(spec)
 
 
-def _input_names(program: Path, key: str, workdir: Path) -> list[str]:
-    """The program's input names, read in a sandbox: a program from the store is hostile input."""
-    import time
+def resolve_job(store: Store, text: str) -> str:
+    """A job id, or a unique prefix of one."""
+    ids = store.job_ids()
+    if text in ids:
+        return text
+    found = [j for j in ids if j.startswith(text)]
+    if len(found) != 1:
+        raise UnknownJob(f"{'no job' if not found else f'{len(found)} jobs'} in {store.uri} "
+                         f"{'is' if not found else 'start with'} {text!r}" +
+                         ("" if not found else f" ({', '.join(found[:5])}); give more characters"))
+    return found[0]
 
-    from workers.sandbox import Sandbox, SandboxFailed
-    from workers.unit import Target, Unit
 
-    unit = Unit(graph=key, source=f"the program of {key}", target=Target("aoti-cpu"), program=None)
-    with Sandbox() as sandbox:
+@dataclass
+class JobHandle:
+    """A job in a store: submitted from here (then `wait()` joins it), or found by id (`job()`)."""
+    job_id: str
+    store: Store
+    _thread: threading.Thread | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+    outcome: JobOutcome | None = None  # set when the job ran in this process and finished
+
+    def status(self) -> dict[str, Any]:
+        """How far the job got, from the store: state, total, queued, running, compiled, hit, failed, retries."""
+        doc = read_status(self.store, self.job_id)
+        if doc is None:
+            raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
+        return doc
+
+    def done(self) -> bool:
+        if self._thread is not None:
+            return not self._thread.is_alive()
+        return self.status()["state"] in ("done", "rejected")
+
+    def wait(self, timeout: float | None = None) -> "JobHandle":
+        """Wait for a job submitted from here; re-raises what stopped it (a bad spec, an unreachable store)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def results(self) -> pa.Table:
+        """One row per unit (columns: storage.results.RESULTS_SCHEMA); `.to_pandas()` for a DataFrame."""
+        self.wait()
+        table = read_results_table(self.store, self.job_id)
+        if table is None:
+            raise UnknownJob(f"job {self.job_id} has no results in {self.store.uri} yet: "
+                             f"it is {self.status()['state']}")
+        return table
+
+    def stats(self) -> dict[str, Any]:
+        """Hit rate, compile time saved and spent, bytes moved (storage.stats.JobStats)."""
+        import json
+
+        self.wait()
+        data = self.store.get_job_file(self.job_id, STATS_FILE)
+        if data is None:
+            raise UnknownJob(f"job {self.job_id} has no stats in {self.store.uri} yet: it is {self.status()['state']}")
+        return json.loads(data)
+
+
+def job(job_id: str, store: str | Store | None = None) -> JobHandle:
+    """A handle on a job already in the store (id or unique prefix), submitted from anywhere."""
+    s = _store(store)
+    return JobHandle(resolve_job(s, job_id), s)
+
+
+def _start(spec: JobSpec | dict | str | Path, store: str | Store | None, wait: bool, events: Events,
+           run_job: Callable[[JobSpec, Store, str, Events], JobOutcome]) -> JobHandle:
+    spec, s = _job_spec(spec), _store(store)
+    handle = JobHandle(new_job_id(spec.name), s)
+
+    def go() -> None:
         try:
-            reply = sandbox.call("input_names", workdir, unit.limits, time.monotonic() + 300, unit=unit,
-                                 program=str(program))
-        except SandboxFailed as e:
-            raise ValueError(f"cannot read the program of {key}: {e}") from e
-    return [str(n) for n in reply.get("names") or []]
+            handle.outcome = run_job(spec, s, handle.job_id, events)
+        except BaseException as e:  # handed to whoever waits: the thread has no one else to tell
+            handle._error = e
+
+    if wait:
+        handle.outcome = run_job(spec, s, handle.job_id, events)
+    else:
+        handle._thread = threading.Thread(target=go, name=f"farm job {handle.job_id}", daemon=True)
+        handle._thread.start()
+    return handle
+
+
+def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, address: str | None = None,
+           wait: bool = True, workers: int | None = None, events: Events | None = None,
+           metrics_port: int | None = None, on_session: Callable[[Any, str], None] | None = None) -> JobHandle:
+    """Run a job on Ray: the cluster at `address` (or RAY_ADDRESS), else an embedded Ray of this
+    process's own, kept up for the next submit (its Prometheus metrics on `metrics_port`). With
+    `wait=False` it returns at once; the handle's `status()` follows it. `on_session(session,
+    job_id)` is called once Ray is up (the CLI prints the dashboard's URL)."""
+    from scheduler.ray_observe import RayObserver
+    from scheduler.ray_pool import PoolConfig, RayRunner
+    from scheduler.ray_session import ray_session
+
+    def on_ray(job: JobSpec, s: Store, job_id: str, ev: Events) -> JobOutcome:
+        config = PoolConfig(workers=workers or job.limits.workers, retries=job.limits.retries)
+        with ray_session(address, metrics_port=metrics_port, keep=True) as session:
+            if on_session is not None:
+                on_session(session, job_id)
+            observer = RayObserver(ev, job.name, job_id, s.uri)
+            outcome = execute(job, s, RayRunner(config, job_id=job_id, lookup_first=session.embedded), observer, job_id)
+            observer.done(outcome)
+            return outcome
+
+    return _start(spec, store, wait, events or NoEvents(), on_ray)
+
+
+def run(spec: JobSpec | dict | str | Path, store: str | Store | None = None, wait: bool = True,
+        events: Events | None = None) -> JobHandle:
+    """Run a job in this process, one unit at a time (no Ray)."""
+    return _start(spec, store, wait, events or NoEvents(), lambda job, s, job_id, ev: execute(job, s, events=ev, job_id=job_id))
+
+
+def fetch(key: str, dest: str | Path, store: str | Store | None = None) -> dict[str, Any]:
+    """Download a unit's artifact (key or unique prefix) to dest, checked against its digest; what
+    it is and how to load it."""
+    from storage.signing import describe
+
+    s = _store(store)
+    full = s.resolve_key(key)
+    manifest = s.get_manifest(full)  # signature checked when FARM_VERIFY_KEY is set
+    if manifest is None:
+        raise UnknownKey(f"no manifest for key {full} in {s.uri}; `farm results JOB` lists a job's keys")
+    ref = manifest["blobs"]["artifact"]
+    path = s.fetch(ref["digest"], Path(dest))
+    facts = manifest.get("artifact", {})
+    return {"key": full, "graph": manifest["graph"], "target": manifest["target"], "path": str(path),
+            "bytes": ref["size"], "sha256": ref["digest"], "signature": describe(manifest),
+            "signatures_required": s.trust.required,
+            **{how: facts[how].replace("PATH", repr(str(path))) for how in ("load", "load_other_weights") if facts.get(how)}}

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from scheduler.jobs import NoEvents
 from storage.stats import JobStats
 from workers.unit import Unit, UnitResult
 
@@ -23,7 +24,7 @@ console = Console(file=_err, highlight=False, soft_wrap=True)
 out = Console(file=_out, highlight=False, width=160)
 
 
-class ProgressEvents:
+class ProgressEvents(NoEvents):
     """A live bar with counts per outcome and the unit in hand."""
 
     def __init__(self) -> None:
@@ -129,3 +130,35 @@ def failure_logs(rows: list[dict], store_arg: str) -> list[str]:
     """One line per failed unit telling how to read its log."""
     return [f"  {escape(r['graph'])} ({escape(r['target'])}): farm log {r['log_digest']} --store {store_arg}"
             for r in rows if r["status"] == "failed" and r.get("log_digest")]
+
+
+_COUNTS = ("total", "queued", "running", "compiled", "hit", "failed", "retries")
+
+
+def status_line(doc: dict) -> str:
+    counts = " · ".join(f"{k} {doc.get(k, 0)}" for k in _COUNTS)
+    return escape(f"{doc['job_id']}: {doc['state']} · {counts} · updated {doc.get('updated_at')}")
+
+
+def status_table(doc: dict) -> Table:
+    """A job's status document as a table: the counts, then the units in flight and for how long."""
+    table = Table(title=status_line(doc), title_justify="left")
+    for col in ("graph", "target", "running for"):
+        table.add_column(col)
+    now = time.time()
+    for u in doc.get("running_units", []):
+        table.add_row(escape(u["graph"]), escape(u["target"]), f"{now - u['since']:.0f} s")
+    return table
+
+
+def watch_status(read, every: float) -> dict:
+    """Redraw the job's status table from the store every `every` seconds until the job ends."""
+    from rich.live import Live
+
+    doc = read()
+    with Live(status_table(doc), console=out, auto_refresh=False) as live:
+        while doc["state"] not in ("done", "rejected"):
+            time.sleep(every)
+            doc = read()
+            live.update(status_table(doc), refresh=True)
+    return doc

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.jobs import read_keys
-from storage import Store
+from storage import Store, UnknownKey
 from storage.signing import UntrustedDocument
 from workers.keys import diff_components
 
@@ -20,19 +20,6 @@ Diff = tuple[str, Any, Any]
 
 class ExplainError(ValueError):
     """The key or job asked about is not in the store; the message says where to look."""
-
-
-def resolve_key(store: Store, text: str) -> str:
-    """A full key, or a unique prefix of one (at least 6 characters, as tables print them)."""
-    text = text.rstrip("…")
-    if len(text) == 64:
-        return text
-    if len(text) < 6:
-        raise ExplainError(f"{text!r} is too short to name a key; give at least 6 characters")
-    found = [k for k in store.manifest_keys() if k.startswith(text)]
-    if len(found) != 1:
-        raise ExplainError(f"{len(found)} keys in {store.uri} start with {text!r}; give more characters")
-    return found[0]
 
 
 def manifest_of(store: Store, key: str) -> dict[str, Any]:
@@ -54,7 +41,10 @@ def _trusted_manifest(store: Store, key: str) -> dict[str, Any] | None:
 
 
 def explain_keys(store: Store, a: str, b: str) -> tuple[str, str, list[Diff]]:
-    ka, kb = resolve_key(store, a), resolve_key(store, b)
+    try:
+        ka, kb = store.resolve_key(a), store.resolve_key(b)
+    except UnknownKey as e:
+        raise ExplainError(str(e)) from e
     return ka, kb, diff_components(manifest_of(store, ka)["components"], manifest_of(store, kb)["components"])
 
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+from farm.client import submit
 from farm.regressions import Regression, find_regressions
 from farm.zoo import ZooModel, export_bytes, load_suite
-from scheduler.jobs import Events, NoEvents, execute, new_job_id
-from scheduler.ray_pool import PoolConfig, RayRunner, TaskFailed, ray_session, run_tasks
+from scheduler.jobs import Events, NoEvents
+from scheduler.ray_pool import TaskFailed, run_tasks
+from scheduler.ray_session import ray_session
 from scheduler.spec import parse_job
 from storage import Store
 from storage.history import append_run, history_path, read_history
@@ -58,18 +60,16 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
     history_path(date, run_id)  # a bad --date fails now, not after the compiles
     base = {"run_id": run_id, "run_at": run_at, "suite": suite_name}
     rows: list[dict[str, Any]] = []
-    with ray_session(address) as session, tempfile.TemporaryDirectory(prefix="farm-zoo-") as tmp:
+    with ray_session(address), tempfile.TemporaryDirectory(prefix="farm-zoo-") as tmp:
         exported = _export(suite_ref, entries, Path(tmp))
         for e in exported:
             if e.path is None:
                 rows += [_unbuilt_row(base, e, t) for t in e.entry.targets]
         for spec, group in _jobs(run_id, [e for e in exported if e.path is not None]):
-            job_id = new_job_id(spec["name"])
-            runner = RayRunner(PoolConfig(), job_id=job_id, lookup_first=session.embedded)
-            with progress() as events:
-                outcome = execute(parse_job(spec, "farm zoo run"), store, runner, events=events, job_id=job_id)
+            with progress() as events:  # in this session: the client's submit finds it open
+                handle = submit(parse_job(spec, "farm zoo run"), store, address, events=events)
             by_name = {e.entry.name: e for e in group}
-            rows += [_row(base, by_name[r.graph], r, job_id) for r in outcome.results
+            rows += [_row(base, by_name[r.graph], r, handle.job_id) for r in handle.outcome.results
                      if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job
     append_run(store, date, run_id, rows)
     history = read_history(store)

@@ -36,6 +36,8 @@ class Events(Protocol):
     def retried(self, unit: Unit) -> None: ...
     def finished(self, unit: Unit, result: UnitResult) -> None: ...
     def ran_again(self, unit: Unit, previous: UnitResult) -> None: ...  # a finished unit queued once more
+    # a pool's load per device class: units queued, workers busy and idle
+    def load(self, queued: dict[str, int], busy: dict[str, int], idle: dict[str, int]) -> None: ...
 
 
 class NoEvents(Events):
@@ -101,7 +103,8 @@ class StatusFile:
         self.store, self.job_id, self.inner = store, job_id, inner
         self.doc: dict[str, Any] = {"job_id": job_id, "state": "planning", "started_at": _now(), "total": 0,
                                     "queued": 0, "running": 0, "compiled": 0, "hit": 0, "failed": 0, "skipped": 0,
-                                    "retries": 0}
+                                    "retries": 0, "running_units": []}
+        self._running: dict[str, dict[str, Any]] = {}
         self._written = 0.0
         self.write(force=True)
 
@@ -110,6 +113,7 @@ class StatusFile:
         never a reason to stop the job."""
         if force or time.monotonic() - self._written > 1.0:
             self.doc["updated_at"] = _now()
+            self.doc["running_units"] = list(self._running.values())
             try:
                 self.store.put_job_file(self.job_id, STATUS_FILE, json.dumps(self.doc, indent=1).encode())
             except StoreError as e:
@@ -125,10 +129,12 @@ class StatusFile:
     def started(self, unit: Unit) -> None:
         self.doc["queued"] -= 1
         self.doc["running"] += 1
+        self._running[unit.unit_id] = {"graph": unit.graph, "target": unit.target.label, "since": time.time()}
         self.write()
         self.inner.started(unit)
 
     def retried(self, unit: Unit) -> None:
+        self._running.pop(unit.unit_id, None)
         self.doc["running"] -= 1
         self.doc["queued"] += 1
         self.doc["retries"] += 1
@@ -142,7 +148,13 @@ class StatusFile:
         self.write()
         self.inner.ran_again(unit, previous)
 
+    def load(self, queued: dict[str, int], busy: dict[str, int], idle: dict[str, int]) -> None:
+        self.doc["device_classes"] = {c: {"queued": queued.get(c, 0), "busy": busy.get(c, 0), "idle": idle.get(c, 0)}
+                                      for c in sorted(set(queued) | set(busy) | set(idle))}
+        self.inner.load(queued, busy, idle)
+
     def finished(self, unit: Unit, result: UnitResult) -> None:
+        self._running.pop(unit.unit_id, None)
         if self.doc["running"] > 0:
             self.doc["running"] -= 1
         else:  # failed before it ever started (could not be placed)

@@ -171,6 +171,12 @@ class WorkerPool:
         wanting = [r for r, q in queues.items() if workers[r] < min(int(self._offered.get(r, 0)), len(q))]
         return min(wanting, key=lambda r: (workers[r] / len(queues[r]), r), default=None)
 
+    def _report_load(self, queues, events) -> None:
+        """Queue depth and busy and idle workers per device class, for metrics and `farm status`."""
+        busy = collections.Counter(s.resource for s in self.slots if s.future is not None)
+        idle = collections.Counter(s.resource for s in self.slots if s.future is None and s.ready is None)
+        events.load({r: len(q) for r, q in queues.items()}, dict(busy), dict(idle))
+
     def _give_up(self, slot: _Slot, queued, error: str, events) -> Iterator[tuple[Unit, UnitResult]]:
         """A device class whose workers keep dying while they start: its queued units fail with
         the worker's error, and its workers that are still starting are stopped."""
@@ -199,6 +205,7 @@ class WorkerPool:
                 slot.unit, slot.retries, slot.started = p.unit, p.retries, time.monotonic()
                 slot.future = self.cluster.submit(slot.actor, p.unit)
                 events.started(p.unit)
+            self._report_load(queues, events)
             waiting = [s.ready for s in self.slots if s.ready is not None] + [s.future for s in self.slots if s.future is not None]
             ready = self.cluster.wait(waiting, POLL_S) if waiting else []
             for slot in list(self.slots):

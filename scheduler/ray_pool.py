@@ -3,7 +3,7 @@
 The worker pool (scheduler/pool.py) runs on Ray through `RayCluster`: one `CompileWorker`
 actor per slot, asking Ray for what its backend's `Placement` says (CPUs, a share of a GPU,
 its device class). Gangs get a placement group and one `GangMember` actor per rank
-(`GangRunner`). `ray_session` joins a cluster or starts an embedded one on loopback.
+(`GangRunner`). Joining or starting a cluster is `ray_session`'s.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import socket
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,14 +23,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from storage import CacheConfig, Store, store_from_uri
 from workers import tempdirs
-from workers.backends import LoweringError, Placement, offered_resources, resolve
+from workers.backends import LoweringError, Placement, resolve
 from workers.gang import GangComm, read_own_graph, run_rank
 from workers.pipeline import run_unit
 from workers.rendezvous import open_store
 from workers.sandbox import Sandbox
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
-__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "TaskFailed", "ray_session",
+__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "TaskFailed",
            "run_tasks"]
 
 CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
@@ -271,31 +270,3 @@ def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: 
 class TaskFailed:
     """A task of run_tasks that did not return: why."""
     error: str
-
-
-@dataclass(frozen=True)
-class RaySession:
-    dashboard: str | None  # URL, when this process started Ray with its dashboard
-    embedded: bool  # this process started Ray: its workers share this Python environment
-
-
-@contextmanager
-def ray_session(address: str | None, slots: int | None = None) -> Iterator[RaySession]:
-    """Join a cluster (address, or RAY_ADDRESS; token auth from RAY_AUTH_TOKEN or ~/.ray/auth_token)
-    or start an embedded local Ray on loopback."""
-    if ray.is_initialized():
-        yield RaySession(None, embedded=False)
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ctx = ray.init(address=address, namespace="farm", log_to_driver=False)
-    else:
-        slots = slots or os.cpu_count() or 1
-        ctx = ray.init(num_cpus=slots, resources=offered_resources(slots), namespace="farm", include_dashboard=True,
-                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False)
-    try:
-        url = ctx.dashboard_url
-        yield RaySession(f"http://{url}" if url and not url.startswith("http") else url, embedded=not address)
-    finally:
-        if not address:
-            ray.shutdown()

@@ -28,6 +28,7 @@ RESULTS_SCHEMA = pa.schema(
         ("artifact_digest", pa.string()),
         ("artifact_bytes", pa.int64()),
         ("log_digest", pa.string()),
+        ("trace_digest", pa.string()),  # the lowering's torch trace, gzipped: `farm trace KEY` renders it
         ("max_abs_err", pa.float64()),
         ("max_rel_err", pa.float64()),
         ("eager_ms", pa.float64()),
@@ -66,8 +67,11 @@ def write_results(store: Store, job_id: str, rows: Iterable[dict[str, Any]]) -> 
     return store.put_job_file(job_id, RESULTS_FILE, results_to_parquet(rows))
 
 
-def read_results(store: Store, job_id: str) -> list[dict[str, Any]] | None:
+def read_results_table(store: Store, job_id: str) -> pa.Table | None:
     data = store.get_job_file(job_id, RESULTS_FILE)
-    if data is None:
-        return None
-    return pq.read_table(io.BytesIO(data)).to_pylist()
+    return None if data is None else pq.read_table(io.BytesIO(data))
+
+
+def read_results(store: Store, job_id: str) -> list[dict[str, Any]] | None:
+    table = read_results_table(store, job_id)
+    return None if table is None else table.to_pylist()

@@ -27,6 +27,14 @@ class CorruptBlob(StoreError):
     """A blob whose bytes do not hash to its name: never hand those bytes to anyone."""
 
 
+class UnknownKey(ValueError):
+    """No manifest, or more than one, answers to the key (or prefix) asked for; the message says
+    what to give instead."""
+
+
+MIN_KEY_PREFIX = 6
+
+
 @dataclass
 class Transfer:
     """Blob bytes moved: to the store, from it, and served by a local tier instead."""
@@ -176,6 +184,22 @@ class Store:
         for path in self.backend.list("units/"):
             if path.endswith(".json"):
                 yield path[len("units/") : -len(".json")]
+
+    def resolve_key(self, text: str) -> str:
+        """A full key, or a unique prefix of one as results tables print it (`8e0ed2c3fbec854b…`)."""
+        text = text.strip().rstrip("…").lower()
+        if not text or text.strip("0123456789abcdef"):
+            raise UnknownKey(f"{text!r} is not a key: keys are hex digits (sha256), as `farm results JOB` prints them")
+        if len(text) == 64:
+            return text
+        if len(text) < MIN_KEY_PREFIX:
+            raise UnknownKey(f"{text!r} is too short to name a key; give at least {MIN_KEY_PREFIX} characters")
+        found = [k for k in self.backend.list(f"units/{text}") if k.endswith(".json")]
+        if len(found) != 1:
+            what = "no key" if not found else f"{len(found)} keys"
+            raise UnknownKey(f"{what} in {self.uri} start with {text!r}; "
+                             + ("`farm results JOB` lists a job's keys" if not found else "give more characters"))
+        return found[0][len("units/") : -len(".json")]
 
     # jobs --------------------------------------------------------------------------
     def put_job_file(self, job_id: str, name: str, data: bytes) -> str:

@@ -1,12 +1,18 @@
 """The only place that knows which store backends exist."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
 from storage.store import Store
 from storage.tiered import CacheConfig, LocalBlobCache, TieredStore
+
+
+def default_store() -> str:
+    """The store when none is named: FARM_STORE, else .farm/store in the working directory."""
+    return os.environ.get("FARM_STORE", ".farm/store")
 
 
 def store_from_uri(uri: str, cache: CacheConfig | None = None) -> Store:

@@ -103,6 +103,7 @@ def fill_hit(result: UnitResult, manifest: dict[str, Any]) -> None:
     result.status = "hit"
     result.artifact = BlobRef.from_dict(manifest["blobs"]["artifact"])
     result.log = BlobRef.from_dict(manifest["blobs"]["log"]) if manifest["blobs"].get("log") else None
+    result.trace = BlobRef.from_dict(manifest["blobs"]["trace"]) if manifest["blobs"].get("trace") else None
     result.metrics.update(manifest.get("metrics", {}))
     timings = manifest.get("timings", {})
     result.saved_s = manifest.get("compile_s", sum(timings.get(p, 0.0) for p in COMPILE_PHASES))

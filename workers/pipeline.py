@@ -41,6 +41,7 @@ from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import Sandbox, SandboxFailed
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
+from workers.trace import TRACE_DIR, packed_trace
 from workers.unitlog import UnitLog
 
 MAX_FACTS = 64 << 10
@@ -140,6 +141,7 @@ class Hit:
 class Published:
     artifact: BlobRef
     log: BlobRef
+    trace: BlobRef | None
     metrics: Metrics
     device: dict[str, Any] | None
 
@@ -177,6 +179,11 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
             result.failed_in = phases.current
             log.note(f"FAILED in {phases.current}")
             log.exception(e)
+        if result.status == "failed" and (tmp / TRACE_DIR).is_dir():  # read a failed lowering without reproducing it
+            try:
+                result.trace = save_trace(store, tmp, log)
+            except Exception as e:  # like the log: for people, never a reason to change the outcome
+                log.note(f"torch trace not saved: {e}")
     if ctx.found is not None:
         result.key, result.components = ctx.found.key, ctx.found.components
     result.timings = {**phases.timings, "total": time.perf_counter() - start}
@@ -195,6 +202,7 @@ def _fill(result: UnitResult, outcome: Outcome) -> None:
         result.note, result.device = outcome.note, outcome.device or result.device
     else:
         result.status, result.artifact, result.log, result.device = "compiled", outcome.artifact, outcome.log, outcome.device
+        result.trace = outcome.trace
     result.metrics.update(outcome.metrics)
 
 
@@ -385,14 +393,23 @@ def publish(ctx: UnitContext, ready: Compiled) -> Published:
     with ctx.phase("upload"):
         artifact = store.put_file(ready.lowered.artifact)
         log.note(f"artifact {artifact.digest} ({artifact.size} bytes); publishing")
+        trace = save_trace(store, ctx.tmp, log)
         log_ref = store.put_bytes(log.text().encode())  # linked from the manifest
         metrics = {**ready.lowered.metrics, **ready.checked.metrics}
-        if not store.publish_manifest(ctx.found.key, _manifest(ctx, ready, artifact, log_ref, metrics)):
+        blobs = {"artifact": artifact, "log": log_ref, "trace": trace}
+        if not store.publish_manifest(ctx.found.key, _manifest(ctx, ready, blobs, metrics)):
             log.note("another worker published this key first; its manifest stands")
-    return Published(artifact, log_ref, metrics, ready.checked.device)
+    return Published(artifact, log_ref, trace, metrics, ready.checked.device)
 
 
-def _manifest(ctx: UnitContext, ready: Compiled, artifact: BlobRef, log: BlobRef, metrics: Metrics) -> dict[str, Any]:
+def save_trace(store: Store, workdir: Path, log: UnitLog) -> BlobRef | None:
+    """The unit's torch trace (workers/trace.py) into the store, if the lowering wrote one."""
+    data, line = packed_trace(workdir)
+    log.note(line)
+    return store.put_bytes(data) if data is not None else None
+
+
+def _manifest(ctx: UnitContext, ready: Compiled, blobs: dict[str, BlobRef | None], metrics: Metrics) -> dict[str, Any]:
     unit, found, timings = ctx.unit, ctx.found, ctx.phase.timings
     return {
         "key": found.key,
@@ -402,7 +419,7 @@ def _manifest(ctx: UnitContext, ready: Compiled, artifact: BlobRef, log: BlobRef
         "graph": unit.graph,
         "source": unit.source,
         "target": unit.target.label,
-        "blobs": {"artifact": artifact.to_dict(), "program": unit.program.to_dict(), "log": log.to_dict()},
+        "blobs": {"program": unit.program.to_dict(), **{role: ref.to_dict() for role, ref in blobs.items() if ref}},
         "artifact": ready.lowered.facts,
         "weights": {"mode": unit.target.weights, "built_with": ready.built_with},
         "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked.inputs},

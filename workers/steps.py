@@ -22,6 +22,7 @@ from workers.inputs import dynamic_dims, input_sets, inputs_at
 from workers.program import ProgramError, first_line, load_program, program_identity, weights_digest
 from workers.gang_steps import GangSteps, gang_facts
 from workers.specialize import reexport, specialization_problems, specialize
+from workers.trace import torch_trace
 from workers.unit import Unit
 from workers.verify import verify
 
@@ -126,7 +127,8 @@ class Steps(GangSteps):
         before = benchmarked()
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
         try:  # timings taken while lowering are taken alone on the GPU too
-            with own_inductor_config(), alone_on_device(backend.device, tunes), recording_timings() as measured:
+            with own_inductor_config(), alone_on_device(backend.device, tunes), recording_timings() as measured, \
+                    torch_trace(Path(workdir)):
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise

@@ -165,6 +165,7 @@ class UnitResult:
     note: str | None = None  # how a hit was accepted when the manifest alone did not settle it
     transient: bool = False  # failed because the store could not be reached: the job runs it again shortly
     failed_in: str | None = None  # the phase it failed in (fetch, load, lower, verify, …)
+    trace: BlobRef | None = None  # the lowering's torch trace (workers/trace.py), compiled or failed
 
     def to_row(self, job_id: str) -> dict[str, Any]:
         t = self.timings
@@ -180,6 +181,7 @@ class UnitResult:
             "artifact_digest": self.artifact.digest if self.artifact else None,
             "artifact_bytes": self.artifact.size if self.artifact else None,
             "log_digest": self.log.digest if self.log else None,
+            "trace_digest": self.trace.digest if self.trace else None,
             **{k: self.metrics.get(k) for k in ("max_abs_err", "max_rel_err", "eager_ms", "compiled_ms", "speedup")},
             "worker": self.worker,
             "retries": self.retries,

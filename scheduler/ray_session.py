@@ -1,0 +1,130 @@
+"""Joining a Ray cluster, or starting the farm's own: the one place `ray.init` is called.
+
+Two traps this file exists for (issue 14):
+- `ray.init()` with no address joins a local cluster someone started with `ray start` (it reads
+  /tmp/ray/ray_current_cluster), and then refuses the farm's resources. The embedded mode asks
+  for `address="local"`: always a fresh instance of its own, whatever else runs on the machine.
+- Joining with the wrong token, or an address nothing answers on, gives a bare
+  `ConnectionError` naming another address than the one given (Ray replaces 127.0.0.1 with
+  the host's IP), after two minutes of retries for an address nothing answers on. The farm
+  probes the address first and says what it tried, where the token was looked for and what to
+  run instead.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import ray
+
+from workers.backends import offered_resources
+
+PROBE_S = 3.0
+
+
+class JoinFailed(RuntimeError):
+    """This process could not join the Ray cluster it was pointed at; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class RaySession:
+    dashboard: str | None  # URL of the cluster's dashboard, when this process knows it
+    embedded: bool  # this process started Ray: its workers share this Python environment
+    address: str | None = None  # the GCS address workers and other drivers join
+
+
+def _bootstrap(address: str) -> tuple[str, int] | None:
+    """Where Ray will really connect for `address` (it replaces loopback names by the host's IP)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        host, _, port = canonicalize_bootstrap_address(address).rpartition(":")
+        return host.strip("[]"), int(port)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S):
+            return True
+    except OSError:
+        return False
+
+
+def _token_sources() -> str:
+    """Where Ray looks for its auth token, and what it found (never the token itself)."""
+    env = os.environ.get("RAY_AUTH_TOKEN")
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    default = Path.home() / ".ray" / "auth_token"
+    parts = [f"RAY_AUTH_TOKEN is {'set' if env else 'not set'}"]
+    if path:
+        parts.append(f"RAY_AUTH_TOKEN_PATH={path} ({'exists' if Path(path).is_file() else 'missing'})")
+    parts.append(f"{default} {'exists' if default.is_file() else 'is missing'}")
+    return "; ".join(parts) + f"; RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset: token by default)')}"
+
+
+def join_advice(address: str, target: tuple[str, int] | None, answered: bool, cause: str) -> str:
+    """The error a user sees when joining fails: what was tried, why it probably failed, what to run."""
+    where = f"{target[0]}:{target[1]}" if target else address
+    lines = [f"could not join the Ray cluster at {address}: {cause}"]
+    if target and where != address:
+        lines.append(f"  Ray connected to {where} instead: it replaces 127.0.0.1 and localhost by this host's address")
+    if not answered:
+        lines.append(f"  nothing answers on {where}: is the head running? `ray status --address {where}` tells; "
+                     f"`ray start --head --port PORT` starts one")
+    else:
+        lines.append(f"  something answers on {where}, so the likely cause is the auth token: this process and the "
+                     f"cluster must hold the same one")
+    lines.append(f"  token looked for in: {_token_sources()}")
+    lines.append("  on the head, `ray get-auth-token` prints the cluster's token; here, `export RAY_AUTH_TOKEN=<it>` "
+                 "and run again")
+    lines.append("  or leave out --address (and RAY_ADDRESS) to compile on an embedded Ray of this machine")
+    return "\n".join(lines)
+
+
+def _join(address: str):
+    target = _bootstrap(address)
+    if target and not _answers(*target):  # Ray would retry for minutes before saying so
+        raise JoinFailed(join_advice(address, target, False, "no answer"))
+    try:
+        return ray.init(address=address, namespace="farm", log_to_driver=False)
+    except (ConnectionError, ValueError) as e:
+        raise JoinFailed(join_advice(address, target, True, str(e).strip().splitlines()[0][:300])) from e
+
+
+_CURRENT: list[RaySession] = []  # the session this process opened, while Ray is up
+
+
+@contextmanager
+def ray_session(address: str | None, slots: int | None = None, metrics_port: int | None = None,
+                keep: bool = False) -> Iterator[RaySession]:
+    """Join a cluster (address, or RAY_ADDRESS; token auth from RAY_AUTH_TOKEN or ~/.ray/auth_token)
+    or start an embedded Ray of this process's own on loopback, its metrics on `metrics_port`.
+    With `keep`, an embedded Ray stays up for the next session of this process (a notebook's
+    next job); Ray stops it when the process exits."""
+    if ray.is_initialized():
+        yield _CURRENT[0] if _CURRENT else RaySession(None, embedded=False)
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ctx = _join(address)
+    else:
+        slots = slots or os.cpu_count() or 1
+        ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace="farm",
+                       include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+                       log_to_driver=False, _metrics_export_port=metrics_port)
+    url = ctx.dashboard_url
+    session = RaySession(f"http://{url}" if url and not url.startswith("http") else url, embedded=not address,
+                         address=ctx.address_info.get("gcs_address"))
+    _CURRENT[:] = [session]
+    try:
+        yield session
+    finally:
+        if session.embedded and not keep:
+            ray.shutdown()
+            _CURRENT.clear()

@@ -1,0 +1,58 @@
+"""The README's two-node recipe, run as written (another port), as a newcomer would: a fresh home
+(so `ray start --head` makes the token and `farm submit` finds it), no RAY_AUTH_TOKEN or
+RAY_ADDRESS from the test session. It runs in a PID namespace of its own, so the recipe's
+`ray stop` stops its cluster and not the session's."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def _recipe() -> str:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- recipe: two-node cluster -->\s*```bash\n(.*?)```\s*<!-- end recipe -->", text, re.S)
+    assert block, "README.md lost its two-node recipe"
+    return block.group(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _isolated() -> list[str]:
+    """A PID namespace of its own (root), so `ray stop` sees only the recipe's processes."""
+    probe = subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True)
+    if shutil.which("unshare") is None or probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here (`unshare -p` needs root): {probe.stderr[:200]!r}")
+    return ["unshare", "-p", "-f", "--mount-proc"]
+
+
+def test_the_readme_two_node_recipe_works_as_written(tmp_path):
+    recipe = _recipe()
+    assert "--address 127.0.0.1:6390" in recipe and recipe.strip().endswith("ray stop")
+    port = str(_free_port())
+    script = "set -euxo pipefail\n" + recipe.replace("6390", port)
+    home = tmp_path / "home"
+    home.mkdir()
+    venv_bin = str(Path(os.sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), PATH=f"{venv_bin}:{env['PATH']}", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run([*_isolated(), "bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert (home / ".ray" / "auth_token").is_file()  # the token ray start made, which farm submit found
+    assert re.search(r"4 compiled, 0 hits, 0 failed", out), out[-3000:]
+    assert "Traceback" not in out

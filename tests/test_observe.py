@@ -1,0 +1,161 @@
+"""The farm in Ray's views and in scripts (issue 14): metrics scraped from a real Ray metrics
+agent, the Grafana dashboard's queries, a Ray Job's progress through the dashboard's REST API,
+the Python API against `--json`, key prefixes, and a trace per compile rendered by tlparse."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from farm import client
+from tests.cli import farm
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAFANA = ROOT / "infra" / "grafana" / "farm-dashboard.json"
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def api_session(ray_cluster, zoo_dir, tmp_path_factory):
+    """tests/fixtures/api_session.py in its own process, while the session's cluster runs: an
+    embedded Ray, the job twice with metrics on, then the job as a Ray Job."""
+    d = tmp_path_factory.mktemp("api")
+    job = d / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "api", "graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")],
+                                   "targets": ["aoti-cpu"]}))
+    store = str(d / "store")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "api_session.py"), str(job), store,
+                           str(_free_port())], env=env, cwd=d, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return store, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_embedded_ray_is_its_own_while_another_cluster_runs(api_session, ray_cluster):
+    _, seen = api_session
+    assert seen["embedded"] == [True, True]  # the second submit reused the first one's Ray
+    assert seen["gcs"][0] == seen["gcs"][1] and seen["gcs"][0] != ray_cluster.address
+
+
+def test_a_job_then_its_repeat_are_counted_in_rays_metrics(api_session):
+    _, seen = api_session
+    assert seen["units"].get("compiled") == 2 and seen["units"].get("hit") == 2, seen["units"]
+    for name in ("ray_farm_phase_seconds_bucket", "ray_farm_queue_depth", "ray_farm_workers", "ray_farm_bytes_total",
+                 "ray_farm_hit_rate", "ray_farm_compile_seconds_saved_total", "ray_farm_compile_seconds_total"):
+        assert name in seen["metric_names"], (name, seen["metric_names"])
+
+
+def test_every_grafana_query_names_a_metric_the_farm_exports(api_session):
+    _, seen = api_session
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for what in ("throughput", "hit rate", "phase time", "queue depth", "failures"):
+        assert what in titles
+    named = {m for e in exprs for m in re.findall(r"\b(ray_\w+)", e)}
+    assert named and named <= set(seen["metric_names"]), named - set(seen["metric_names"])
+
+
+def test_the_python_api_matches_the_cli_json(api_session):
+    store, seen = api_session
+    warm = seen["warm"]
+    rows = json.loads(farm("results", warm["job_id"][:-3], "--json", "--store", store))  # a unique prefix
+    assert rows == warm["rows"] and {r["status"] for r in rows} == {"hit"}
+    status = json.loads(farm("status", warm["job_id"], "--json", "--store", store))
+    assert status["state"] == "done" and status["hit"] == 2 and status["stats"] == warm["stats"]
+    assert client.job(warm["job_id"], store).results().to_pylist() == rows
+    assert warm["stats"]["hit_rate"] == 1.0 and seen["cold"]["stats"]["compiled"] == 2
+
+
+def test_a_ray_job_shows_its_progress_in_the_dashboards_job_list(api_session):
+    store, seen = api_session
+    ray_job = seen["ray_job"]
+    assert ray_job["status"].endswith("SUCCEEDED"), ray_job["logs"]
+    listed = ray_job["listed"]
+    assert listed is not None, "the dashboard's /api/jobs/ did not list the job"
+    meta = listed["metadata"]
+    assert meta["farm_progress"].startswith("farm: 2/2 units") and "hits 2" in meta["farm_progress"]
+    assert meta["farm_results"] == f"{store}/jobs/{meta['farm_job_id']}/results.parquet"
+    assert Path(meta["farm_results"]).is_file() and "hit rate 100%" in meta["farm_stats"]
+
+
+def test_fetch_explain_and_trace_take_the_prefix_tables_print(api_session, tmp_path):
+    store, seen = api_session
+    key = next(r["key"] for r in seen["warm"]["rows"] if r["graph"] == "mlp")
+    fetched = json.loads(farm("fetch", key[:16], str(tmp_path / "mlp.pt2"), "--json", "--store", store))
+    assert fetched["key"] == key and (tmp_path / "mlp.pt2").stat().st_size == fetched["bytes"]
+    same = json.loads(farm("explain", key[:16], key[:12] + "…", "--json", "--store", store))
+    assert same == {"a": key, "b": key, "diffs": []}
+    assert "give at least 6 characters" in farm("fetch", key[:4], str(tmp_path / "x.pt2"), "--store", store)
+
+    out = farm("trace", key[:16], "--out", str(tmp_path / "trace"), "--store", store)
+    index = tmp_path / "trace" / "report" / "index.html"
+    assert str(index) in out and index.is_file()
+    report = " ".join(p.read_text(errors="replace") for p in (tmp_path / "trace" / "report").rglob("*.txt"))
+    assert "addmm" in report and "relu" in report  # the MLP's operators, as Inductor saw them
+
+
+def test_a_failed_lowering_keeps_its_trace(zoo_dir, tmp_path):
+    """g++ replaced by `false`: the lowering gets as far as the C++ compile and fails there."""
+    store = str(tmp_path / "store")
+    bad = {"backend": "aoti-cpu", "options": {"cpp.cxx": [None, "/bin/false"]}}
+    run = client.run({"name": "broken", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": [bad]}, store)
+    (row,) = run.results().to_pylist()
+    assert row["status"] == "failed" and row["trace_digest"], row["error"]
+    out = farm("trace", row["key"][:12], "--out", str(tmp_path / "trace"), "--store", store)
+    assert "failed" in out
+    report = " ".join(p.read_text(errors="replace") for p in (tmp_path / "trace" / "report").rglob("*.txt"))
+    assert "addmm" in report
+
+
+def test_a_cluster_nothing_answers_on_fails_fast_and_says_what_to_do(tmp_path, zoo_dir):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}))
+    port = _free_port()
+    done = subprocess.run([sys.executable, "-m", "farm", "submit", str(job), "--address", f"127.0.0.7:{port}",
+                           "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    err = done.stderr
+    assert f"could not join the Ray cluster at 127.0.0.7:{port}" in err and "nothing answers" in err
+    assert "RAY_AUTH_TOKEN is set" in err and "ray get-auth-token" in err and "Traceback" not in err
+    assert os.environ["RAY_AUTH_TOKEN"] not in err  # where the token was looked for, never the token
+
+
+def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
+    """The store's status document goes from running to done while `farm status --watch` reads it."""
+    import threading
+    import time
+
+    from scheduler.jobs import STATUS_FILE
+    from storage import store_from_uri
+
+    store = store_from_uri(str(tmp_path / "store"))
+    doc = {"job_id": "w-20261123-120000-abcd", "state": "running", "total": 2, "queued": 0, "running": 1, "compiled": 1,
+           "hit": 0, "failed": 0, "retries": 0, "running_units": [{"graph": "cnn", "target": "aoti-cpu", "since": time.time()}]}
+    store.put_job_file(doc["job_id"], STATUS_FILE, json.dumps(doc).encode())
+
+    def finish() -> None:
+        time.sleep(1.0)
+        store.put_job_file(doc["job_id"], STATUS_FILE, json.dumps({**doc, "state": "done", "running": 0, "compiled": 2,
+                                                                  "running_units": []}).encode())
+
+    threading.Thread(target=finish).start()
+    start = time.monotonic()
+    out = farm("status", "w-2026", "--watch", "--every", "0.2", "--json", "--store", str(tmp_path / "store"))
+    assert 0.9 < time.monotonic() - start < 30
+    final = json.loads(out[out.index("{\n"):])
+    assert final["state"] == "done" and final["compiled"] == 2
