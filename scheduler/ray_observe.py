@@ -89,13 +89,18 @@ class RayJobInfo:
 
         self.key = JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission)
         self.namespace = KV_NAMESPACE_JOB
+        self.missing = False
 
     def update(self, message: str, metadata: dict[str, str]) -> None:
         from ray.experimental import internal_kv
 
         try:
             raw = internal_kv._internal_kv_get(self.key, namespace=self.namespace)
-            if raw is None:
+            if raw is None:  # Ray's supervisor gave this process another cluster's address than its own
+                if not self.missing:
+                    log.warning("the Ray Job's record is not in the cluster this process joined (%s); its progress is "
+                                "not shown there", os.environ.get("RAY_ADDRESS"))
+                self.missing = True
                 return
             info = json.loads(raw)
             info["message"] = message

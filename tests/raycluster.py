@@ -27,6 +27,7 @@ class RayCluster:
     env: dict[str, str]
     head_resources: dict[str, float]
     node_resources: dict[str, float]
+    dashboard: str  # the head's dashboard (Jobs API), http://HEAD_IP:PORT
 
     def stop(self) -> None:
         subprocess.run([_ray(), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
@@ -47,14 +48,18 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, n
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    common = ["--disable-usage-stats", "--include-dashboard=false"]
+    # agents on ports of their own: Ray's default (52365) stays free for an embedded Ray's job agent
+    dashboard_port = _free_port(HEAD_IP)
     head = [_ray(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
-            f"--resources={json.dumps(head_resources)}", *common]
+            f"--resources={json.dumps(head_resources)}", f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
+            "--include-dashboard=true", f"--dashboard-host={HEAD_IP}", f"--dashboard-port={dashboard_port}",
+            "--disable-usage-stats"]
     node = [_ray(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
-            f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats"]
+            f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats",
+            f"--dashboard-agent-listen-port={_free_port(NODE_IP)}"]
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
             raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources)
+    return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources, f"http://{HEAD_IP}:{dashboard_port}")

@@ -87,3 +87,19 @@ def test_results_table_round_trip(store):
     assert "j" in store.job_ids()
     with pytest.raises(ValueError, match="not in the schema"):
         write_results(store, "j2", [{"bogus": 1}])
+
+
+def test_a_key_is_found_by_the_unique_prefix_tables_print(store):
+    from storage import UnknownKey
+
+    ref = store.put_bytes(b"artifact")
+    keys = ["8e0ed2c3fbec854b" + "0" * 48, "8e0ed2c3fbec854b" + "1" * 48, "1234abcd" + "2" * 56]
+    for k in keys:
+        assert store.publish_manifest(k, {"blobs": {"artifact": ref.to_dict()}})
+    assert store.resolve_key("1234abcd") == keys[2]
+    assert store.resolve_key("8e0ed2c3fbec854b1…") == keys[1]  # as a table prints it, ellipsis and all
+    assert store.resolve_key(keys[0].upper()) == keys[0]
+    for text, says in [("8e0ed2c3fbec854b", "2 keys"), ("ffffff", "no key"), ("8e0e", "at least 6"),
+                       ("../../etc", "hex digits")]:
+        with pytest.raises(UnknownKey, match=says):
+            store.resolve_key(text)
