@@ -5,10 +5,13 @@ the Ray one in `ray_pool`. While a job runs, `jobs/<id>/status.json` in the stor
 far it got, so `farm status JOB` works from any machine."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime as dt
 import json
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -47,13 +50,25 @@ class NoEvents(Events):
 Runner = Callable[[list[Unit], Store, Events], Iterable[tuple[Unit, UnitResult]]]
 
 
+_KEPT = Sandbox()  # warm between this process's in-process jobs: a notebook's next job skips torch's import
+_KEPT_LOCK = threading.Lock()
+atexit.register(_KEPT.close)
+
+
 def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:
-    with Sandbox() as sandbox:  # one warm child for the whole job
-        for unit in units:
-            events.started(unit)
-            result = run_unit(unit, store, sandbox)
-            events.finished(unit, result)
-            yield unit, result
+    """One warm child for the whole job: the process's kept one, or its own while another job
+    (another thread) has that. The child restarts when the job's limits or environment differ."""
+    kept = _KEPT_LOCK.acquire(blocking=False)
+    try:
+        with contextlib.nullcontext(_KEPT) if kept else Sandbox() as sandbox:
+            for unit in units:
+                events.started(unit)
+                result = run_unit(unit, store, sandbox)
+                events.finished(unit, result)
+                yield unit, result
+    finally:
+        if kept:
+            _KEPT_LOCK.release()
 
 
 def run_gangs(runner: Runner, gangs: list[Gang], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:

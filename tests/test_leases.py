@@ -1,18 +1,15 @@
 """Dedupe across concurrent jobs: a worker leases a key before compiling it, others wait
-for the manifest, and a lease whose holder stopped renewing is taken over."""
+for the manifest, and a lease whose holder stopped renewing is taken over. Two whole jobs at
+once compiling each key once: tests/test_ray_farm.py."""
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from storage import Lease, Leases, store_from_uri
-from storage.results import read_results
 
 
 def test_one_winner_per_generation_among_racing_workers(store):
@@ -125,27 +122,6 @@ def _key_of(unit, store) -> str:
     identity = program_identity(load_program(path, "p"))
     backend = resolve(unit.target)
     return key_of(key_components(identity, backend.target_components(unit.target), {}, backend.toolchain(unit.target)))
-
-
-@pytest.mark.slow
-def test_two_jobs_at_once_compile_each_key_once(zoo_dir, tmp_path):
-    """Two users compile overlapping graphs into one store at the same moment."""
-    store_dir = tmp_path / "store"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # real compiles, long enough to overlap
-    cmd = [sys.executable, "-m", "farm", "compile", str(zoo_dir / "cnn.pt2"), str(zoo_dir / "mlp.pt2"),
-           "-t", "aoti-cpu:x86-64", "--store", str(store_dir)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-
-    store = store_from_uri(str(store_dir))
-    rows = [r for job in store.job_ids() for r in read_results(store, job)]
-    assert len(rows) == 4 and len({r["key"] for r in rows}) == 2
-    assert sorted(r["status"] for r in rows) == ["compiled", "compiled", "hit", "hit"]
-    for key in {r["key"] for r in rows}:  # one compile per key, whichever job did it
-        assert sorted(r["status"] for r in rows if r["key"] == key) == ["compiled", "hit"]
-    assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # someone really waited instead of compiling
-    assert not list(store.backend.list("leases/"))
 
 
 @pytest.mark.slow

@@ -78,6 +78,10 @@ def test_the_python_api_matches_the_cli_json(api_session):
     status = json.loads(farm("status", warm["job_id"], "--json", "--store", store))
     assert status["state"] == "done" and status["hit"] == 2 and status["stats"] == warm["stats"]
     assert client.job(warm["job_id"], store).results().to_pylist() == rows
+    # and for people: the same job as a line and a table
+    assert "done" in farm("status", warm["job_id"], "--store", store) and "hit 2" in farm("status", warm["job_id"], "--store", store)
+    table = farm("results", warm["job_id"], "--store", store)
+    assert "mlp" in table and "cnn" in table and "hit rate 100%" in table
     assert warm["stats"]["hit_rate"] == 1.0 and seen["cold"]["stats"]["compiled"] == 2
 
 

@@ -14,7 +14,7 @@ import yaml
 import ray
 
 from scheduler.spec import parse_job
-from scheduler.jobs import NoEvents, execute, read_status
+from scheduler.jobs import NoEvents, execute
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri
 from storage.results import read_results
@@ -93,24 +93,6 @@ def test_a_unit_past_its_timeout_fails_fast_and_the_rest_compile(ray_cluster, zo
     avx2_slots = [s for s in runner.slots if s.resource == "farm_cpu_avx2"]
     assert avx2_slots and all(s.generation == 1 for s in avx2_slots)  # the sandbox died, never the worker
     assert time.monotonic() - start < 300
-
-
-def test_farm_submit_status_and_results_from_the_command_line(ray_cluster, zoo_dir, tmp_path):
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(f"name: cli\ngraphs: [{zoo_dir / 'mlp.pt2'}]\ntargets: [aoti-cpu:x86-64]\n")
-    store = str(tmp_path / "store")
-    proc = subprocess.run([sys.executable, "-m", "farm", "submit", str(job_file), "--store", store,
-                           "--address", ray_cluster.address], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 compiled, 0 hits, 0 failed, 0 retries" in proc.stdout
-    (job_id,) = store_from_uri(store).job_ids()
-    assert read_status(store_from_uri(store), job_id)["state"] == "done"
-    status = subprocess.run([sys.executable, "-m", "farm", "status", job_id, "--store", store],
-                            capture_output=True, text=True, timeout=120)
-    assert "done" in status.stdout and "compiled 1" in status.stdout
-    results = subprocess.run([sys.executable, "-m", "farm", "results", job_id, "--store", store],
-                             capture_output=True, text=True, timeout=120)
-    assert "mlp" in results.stdout and "compiled" in results.stdout
 
 
 def test_two_jobs_submitted_at_once_compile_each_key_once(ray_cluster, zoo_dir, tmp_path):

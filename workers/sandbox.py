@@ -63,8 +63,13 @@ class SandboxFailed(Exception):
         self.retryable = retryable
 
 
+def _inherited_env() -> dict[str, str]:
+    """What of this process's environment a child gets: no secrets, nothing Ray or AWS."""
+    return {k: v for k, v in os.environ.items() if ENV_ALLOWED.fullmatch(k) and not ENV_SECRET.search(k)}
+
+
 def child_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if ENV_ALLOWED.fullmatch(k) and not ENV_SECRET.search(k)}
+    env = _inherited_env()
     env.update(HOME=str(home), PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
     # Inductor's caches (and its precompiled header) stay where the worker's are, so a warm
     # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
@@ -109,6 +114,7 @@ class Sandbox:
         self._proc: subprocess.Popen | None = None
         self._replies: int | None = None
         self._limits: tuple[float, float, str] | None = None  # memory, file size, device of the running child
+        self._env: dict[str, str] = {}  # the environment it inherited
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
@@ -130,8 +136,9 @@ class Sandbox:
              **kwargs: Any) -> dict[str, Any]:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
-        if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb, device):
-            self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
+        if self._proc is not None and (self._limits != (limits.memory_gb, limits.file_gb, device)
+                                       or self._env != _inherited_env()):
+            self._kill()  # set when the child started: another job's limits or environment, or another device
         if self._proc is None or self._proc.poll() is not None:
             self.prestart(limits, device)
         if self._spawned is not None:
@@ -176,7 +183,7 @@ class Sandbox:
         read, write = os.pipe()
         startup_log = self._base / f"startup-{self.starts}.log"
         startup = open(startup_log, "wb")
-        self._limits = (limits.memory_gb, limits.file_gb, device)
+        self._limits, self._env = (limits.memory_gb, limits.file_gb, device), _inherited_env()
         env = child_env(home)
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
