@@ -55,11 +55,6 @@ def _run_job(start, store_uri: str) -> None:
         raise typer.Exit(1)
 
 
-def _store_or_fail(store_uri: str):
-    _open_store(store_uri)  # a bad URI is reported before anything starts
-    return store_uri
-
-
 @app.command()
 def compile(
     graphs: list[Path] = typer.Argument(..., help=".pt2 files written by torch.export.save"),
@@ -80,7 +75,7 @@ def compile(
         )
     except SpecError as e:
         raise _fail(str(e)) from e
-    _run_job(lambda events: client.run(job, _store_or_fail(store), events=events), store)
+    _run_job(lambda events: client.run(job, _open_store(store), events=events), store)
 
 
 @app.command()
@@ -90,7 +85,7 @@ def run(job_file: Path = typer.Argument(..., help="job spec (YAML)"), store: str
         job = load_job(job_file)
     except SpecError as e:
         raise _fail(str(e)) from e
-    _run_job(lambda events: client.run(job, _store_or_fail(store), events=events), store)
+    _run_job(lambda events: client.run(job, _open_store(store), events=events), store)
 
 
 @app.command()
@@ -120,7 +115,7 @@ def submit(
             console.print(f"Ray dashboard: {session.dashboard} (token: `ray get-auth-token`)")
         console.print(f"job {job_id}: `farm status {job_id} --watch --store {store}` from any machine")
 
-    _run_job(lambda events: client.submit(job, _store_or_fail(store), address=address, workers=workers, events=events,
+    _run_job(lambda events: client.submit(job, _open_store(store), address=address, workers=workers, events=events,
                                           metrics_port=metrics_port, on_session=joined), store)
 
 
@@ -138,7 +133,7 @@ def _job_handle(job_id: str, store: str) -> "client.JobHandle":
     try:
         return client.job(job_id, _open_store(store))
     except client.UnknownJob as e:
-        raise _fail(f"{e}; `farm status` needs a job id as `farm submit` printed it") from e
+        raise _fail(f"{e}; `farm submit` and `farm run` print the ids of their jobs") from e
 
 
 @app.command()
