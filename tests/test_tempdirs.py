@@ -16,5 +16,10 @@ def test_dirs_of_dead_farm_processes_are_swept_and_live_ones_kept(tmp_path):
     mine.mkdir()
     other = tmp_path / "farm-gpu-locks"  # not a per-process dir: never touched
     other.mkdir()
-    assert tempdirs.sweep_orphans(tmp_path) == 1
-    assert not orphan.exists() and mine.exists() and other.exists()
+    dead_here = tmp_path / f"farm-unit-{int(dead.stdout)}.{tempdirs._pid_namespace()}-ghi789"
+    dead_here.mkdir()
+    # a farm process in another PID namespace (a container sharing /tmp): its PIDs mean nothing here
+    elsewhere = tmp_path / f"farm-sandbox-{int(dead.stdout)}.{tempdirs._pid_namespace() + 1}-jkl012"
+    elsewhere.mkdir()
+    assert tempdirs.sweep_orphans(tmp_path) == 2
+    assert not orphan.exists() and not dead_here.exists() and mine.exists() and other.exists() and elsewhere.exists()

@@ -177,7 +177,8 @@ class Sandbox:
         if device == "cuda" and self._gpu_suspect:
             self._check_gpu()
         self._spawned = time.monotonic()
-        self._base = self._base or Path(tempfile.mkdtemp(prefix=tempdirs.prefix("sandbox")))
+        if self._base is None or not self._base.is_dir():  # made once; again if something swept it meanwhile
+            self._base = Path(tempfile.mkdtemp(prefix=tempdirs.prefix("sandbox")))
         home = self._base / f"home-{self.starts}"
         home.mkdir()
         read, write = os.pipe()
