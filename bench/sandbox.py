@@ -49,18 +49,13 @@ class InProcess:
 
 
 def _side(name: str, job, root: Path, make_sandbox, costs: list) -> dict[str, float]:
-    from scheduler.jobs import execute
+    from scheduler.jobs import execute, run_units_in
     from storage import store_from_uri
-    from workers.pipeline import run_unit
 
-    def runner(units, store, events):  # as run_in_process: one sandbox per job
+    def runner(units, store, events):  # as run_in_process, with a sandbox of its own per job
         sandbox = make_sandbox()
         try:
-            for unit in units:
-                events.started(unit)
-                result = run_unit(unit, store, sandbox)
-                events.finished(unit, result)
-                yield unit, result
+            yield from run_units_in(sandbox, units, store, events)
         finally:
             costs.append(sandbox.cost)
             sandbox.close()

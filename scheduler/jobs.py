@@ -61,14 +61,19 @@ def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[
     kept = _KEPT_LOCK.acquire(blocking=False)
     try:
         with contextlib.nullcontext(_KEPT) if kept else Sandbox() as sandbox:
-            for unit in units:
-                events.started(unit)
-                result = run_unit(unit, store, sandbox)
-                events.finished(unit, result)
-                yield unit, result
+            yield from run_units_in(sandbox, units, store, events)
     finally:
         if kept:
             _KEPT_LOCK.release()
+
+
+def run_units_in(sandbox: Sandbox, units: list[Unit], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:
+    """The units one after another in this process, their untrusted steps in `sandbox`."""
+    for unit in units:
+        events.started(unit)
+        result = run_unit(unit, store, sandbox)
+        events.finished(unit, result)
+        yield unit, result
 
 
 def run_gangs(runner: Runner, gangs: list[Gang], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:

@@ -43,11 +43,7 @@ def test_the_readme_two_node_recipe_works_as_written(tmp_path):
     recipe = _recipe()
     assert "--address 127.0.0.1:6390" in recipe and recipe.strip().endswith("ray stop")
     port = str(_free_port())
-    lines = recipe.replace("6390", port).strip().splitlines()
-    # before the recipe's `ray stop`: what a user with the wrong token sees (exit 2, no traceback)
-    wrong = (f"! RAY_AUTH_TOKEN=not-the-clusters-token farm submit zoo/job.yaml --address 127.0.0.1:{port} "
-             f"--store .farm/other 2> wrong-token.txt")
-    script = "\n".join(["set -euxo pipefail", *lines[:-1], wrong, lines[-1]])
+    script = "set -euxo pipefail\n" + recipe.replace("6390", port)
     home = tmp_path / "home"
     home.mkdir()
     venv_bin = str(Path(os.sys.executable).parent)
@@ -60,7 +56,3 @@ def test_the_readme_two_node_recipe_works_as_written(tmp_path):
     assert (home / ".ray" / "auth_token").is_file()  # the token ray start made, which farm submit found
     assert re.search(r"2 compiled, 0 hits, 0 failed", out), out[-3000:]
     assert "Traceback" not in out
-    wrong = (tmp_path / "wrong-token.txt").read_text()
-    assert f"could not join the Ray cluster at 127.0.0.1:{port}" in wrong and "Traceback" not in wrong, wrong
-    assert "Ray connected to" in wrong and "likely cause is the auth token" in wrong and "RAY_AUTH_TOKEN is set" in wrong
-    assert "not-the-clusters-token" not in wrong

@@ -39,6 +39,7 @@ def api_session(ray_cluster, zoo_dir, tmp_path_factory):
                                    "targets": ["aoti-cpu"]}))
     store = str(d / "store")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_metrics_report_interval_ms"] = "1000"  # Ray's agents export every second, not every ten
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "api_session.py"), str(job), store,
                            str(_free_port())], env=env, cwd=d, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -178,3 +179,15 @@ def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
     assert 0.9 < time.monotonic() - start < 30
     final = json.loads(out[out.index("{\n"):])
     assert final["state"] == "done" and final["compiled"] == 2
+
+
+def test_a_cluster_that_answers_but_refuses_the_token_is_named_as_the_likely_cause(monkeypatch):
+    """What `farm submit --address` says after Ray gave up on a wrong token (Ray retries for about
+    20 s first; the README recipe's cluster showed it end to end)."""
+    from scheduler.ray_session import join_advice
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-clusters-token")
+    text = join_advice("127.0.0.1:6390", ("192.0.2.2", 6390), True, "Failed to connect to Ray cluster at 192.0.2.2:6390")
+    assert "could not join the Ray cluster at 127.0.0.1:6390" in text and "Ray connected to 192.0.2.2:6390 instead" in text
+    assert "likely cause is the auth token" in text and "RAY_AUTH_TOKEN is set" in text and "ray get-auth-token" in text
+    assert "not-the-clusters-token" not in text
