@@ -59,6 +59,8 @@ def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[
     """One warm child for the whole job: the process's kept one, or its own while another job
     (another thread) has that. The child restarts when the job's limits or environment differ."""
     kept = _KEPT_LOCK.acquire(blocking=False)
+    if kept:
+        _KEPT.restart_if_environment_changed()
     try:
         with contextlib.nullcontext(_KEPT) if kept else Sandbox() as sandbox:
             yield from run_units_in(sandbox, units, store, events)

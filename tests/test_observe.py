@@ -191,3 +191,24 @@ def test_a_cluster_that_answers_but_refuses_the_token_is_named_as_the_likely_cau
     assert "could not join the Ray cluster at 127.0.0.1:6390" in text and "Ray connected to 192.0.2.2:6390 instead" in text
     assert "likely cause is the auth token" in text and "RAY_AUTH_TOKEN is set" in text and "ray get-auth-token" in text
     assert "not-the-clusters-token" not in text
+
+
+_TWO_JOBS = """
+import json, sys
+from farm.client import run
+from scheduler import jobs
+statuses = [run({"name": g, "graphs": [sys.argv[1] + f"/{g}.pt2"], "targets": ["aoti-cpu"]}, sys.argv[2]).results()
+            .column("status").to_pylist() for g in ("mlp", "cnn")]
+print(json.dumps({"statuses": statuses, "children": jobs._KEPT.starts}))
+"""
+
+
+def test_a_process_runs_job_after_job_in_one_warm_sandbox(zoo_dir, tmp_path):
+    """As a notebook would: two `farm.client.run` jobs in a fresh process whose environment names
+    no Inductor cache (Inductor sets its default as it goes). Both compile; one child serves both."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    proc = subprocess.run([sys.executable, "-c", _TWO_JOBS, str(zoo_dir), str(tmp_path / "store")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"statuses": [["compiled"], ["compiled"]], "children": 1}, seen

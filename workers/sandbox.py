@@ -136,9 +136,8 @@ class Sandbox:
              **kwargs: Any) -> dict[str, Any]:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
-        if self._proc is not None and (self._limits != (limits.memory_gb, limits.file_gb, device)
-                                       or self._env != _inherited_env()):
-            self._kill()  # set when the child started: another job's limits or environment, or another device
+        if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb, device):
+            self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
         if self._proc is None or self._proc.poll() is not None:
             self.prestart(limits, device)
         if self._spawned is not None:
@@ -184,8 +183,9 @@ class Sandbox:
         read, write = os.pipe()
         startup_log = self._base / f"startup-{self.starts}.log"
         startup = open(startup_log, "wb")
-        self._limits, self._env = (limits.memory_gb, limits.file_gb, device), _inherited_env()
+        self._limits = (limits.memory_gb, limits.file_gb, device)
         env = child_env(home)
+        self._env = {k: v for k, v in env.items() if k != "HOME"}
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
         self._proc = subprocess.Popen(
@@ -293,6 +293,14 @@ class Sandbox:
         if self._replies is not None:
             os.close(self._replies)
         self._proc, self._replies, self._spawned = None, None, None
+
+    def restart_if_environment_changed(self) -> None:
+        """Between jobs: a child started under another environment than a fresh one would get now
+        (a changed TORCHINDUCTOR_CACHE_DIR, CXX, ...) is stopped; the next call starts one. Never
+        within a job: the parent's own Inductor sets TORCHINDUCTOR_CACHE_DIR to its default as it
+        goes, which changes nothing the child sees."""
+        if self._proc is not None and self._env != {k: v for k, v in child_env(Path()).items() if k != "HOME"}:
+            self._kill()
 
     def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
         """Replace the child with a fresh one (started now, warm by the next call)."""
