@@ -120,9 +120,13 @@ class RayObserver(Events):
         sub = submission_id()
         self.job_info = RayJobInfo(sub) if sub else None
         self._told = 0.0
+        self._device_class: dict[str, str] = {}  # by target label: resolving a backend per event is wasted work
 
     def _tags(self, unit: Unit) -> dict[str, str]:
-        return {"target": unit.target.base_label, "device_class": device_class(unit), "job": self.job_name}
+        label = unit.target.label
+        if label not in self._device_class:
+            self._device_class[label] = device_class(unit)
+        return {"target": unit.target.base_label, "device_class": self._device_class[label], "job": self.job_name}
 
     def planned(self, units: list[Unit]) -> None:
         self.counts["total"] = len(units)

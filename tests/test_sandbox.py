@@ -127,3 +127,25 @@ def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
     assert rows["Max file size"][0] == str(1 << 30)
     assert rows["Max core file size"][0] == "0"
     assert int(rows["Max cpu time"][0]) <= 30 * (os.cpu_count() or 1) + 60  # this request's budget, not unlimited
+
+
+def test_what_a_child_unpacks_goes_with_it(compiled, zoo_dir, tmp_path):
+    """torch's AOTInductor loader unpacks every artifact it loads into $TMPDIR/aotinductor_*; a
+    child is always killed in the end, so that dir must be the child's own, removed with it."""
+    from workers.unit import Target, Unit
+
+    _, _, package, _ = compiled
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu", weights="shapes"), program=None)
+    before = set(Path("/tmp").glob("aotinductor_*"))
+    with Sandbox() as sandbox:
+        deadline = time.monotonic() + 120
+        sandbox.call("identify", tmp_path, UnitLimits(), deadline, unit=unit, program=str(zoo_dir / "mlp.pt2"))
+        reply = sandbox.call("check", tmp_path, UnitLimits(), deadline, unit=unit, artifact=str(package),
+                             verify_it=True, bench_it=False)
+        assert reply["problems"] == [] and reply["checked"], reply
+        env = dict(line.split("=", 1) for line in
+                   Path(f"/proc/{sandbox.pid}/environ").read_bytes().decode().split("\0") if "=" in line)
+        child_tmp = Path(env["TMPDIR"])
+        assert list(child_tmp.glob("aotinductor_*")), "the loaded artifact was unpacked somewhere else"
+    assert not child_tmp.exists()
+    assert set(Path("/tmp").glob("aotinductor_*")) <= before
