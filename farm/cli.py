@@ -43,9 +43,10 @@ def _run_job(start, store_uri: str) -> None:
         f"Artifacts and results are in {outcome.store_uri} (results: jobs/{outcome.job_id}/results.parquet)."
     )
     out.print(stats_line(outcome.stats))
-    key = next((r.key for r in outcome.results if r.status in ("compiled", "hit")), None)
-    if key:
-        out.print(f"Fetch one (it prints how to load it): farm fetch {key[:16]} model.pt2 --store {store_uri}")
+    done = next((r for r in outcome.results if r.status in ("compiled", "hit")), None)
+    if done:
+        name = "model.pte" if done.target.startswith("executorch") else "model.pt2"
+        out.print(f"Fetch one (it prints how to load it): farm fetch {done.key[:16]} {name} --store {store_uri}")
     if outcome.count("compiled"):
         out.print(f"Why were there misses? farm explain --job {outcome.job_id} --store {store_uri}")
     if outcome.count("failed"):

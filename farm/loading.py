@@ -8,7 +8,8 @@ from torch.export import ExportedProgram
 
 
 def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Path | None = None) -> Callable[..., Any]:
-    """Load an `aoti-cpu` package. For a package built with `weights: shapes`, `weights_from`
+    """Load an `aoti-cpu` package, or an ExecuTorch program (.pte, run by ExecuTorch's runtime;
+    it returns its outputs as a list). For a package built with `weights: shapes`, `weights_from`
     (an exported program, or the .pt2 it was saved to) supplies the checkpoint it runs with;
     without it the package runs with the weights it was built with."""
     import torch
@@ -16,10 +17,19 @@ def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Pa
     from workers.backends.aoti_cpu import load_with_weights, program_constants
     from workers.program import load_program
 
+    if _is_pte(Path(artifact)):
+        from workers.backends.executorch import load_pte
+
+        return load_pte(Path(artifact))
     if weights_from is None:
         return torch._inductor.aoti_load_package(str(artifact))
     ep = weights_from if isinstance(weights_from, ExportedProgram) else load_program(Path(weights_from), str(weights_from))
     return load_with_weights(Path(artifact), program_constants(ep))
+
+
+def _is_pte(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8)[4:6] == b"ET"  # an ExecuTorch flatbuffer's file identifier, ET12 for example
 
 
 def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:

@@ -11,7 +11,7 @@ import datetime as dt
 import secrets
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -50,9 +50,13 @@ class Exported:
 
 
 def run_suite(suite_ref: str, store: Store, address: str | None = None, date: str | None = None,
-              progress: Callable[[], ContextManager[Events]] = lambda: contextlib.nullcontext(NoEvents())) -> NightlyRun:
-    """`progress` makes the events of one job (a live bar per job in the CLI)."""
+              progress: Callable[[], ContextManager[Events]] = lambda: contextlib.nullcontext(NoEvents()),
+              targets: list[str] | None = None) -> NightlyRun:
+    """`progress` makes the events of one job (a live bar per job in the CLI); `targets` replace every
+    entry's own."""
     entries = load_suite(suite_ref)
+    if targets:
+        entries = [replace(e, targets=tuple(targets)) for e in entries]
     run_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     date = date or run_at.date().isoformat()
     suite_name = Path(suite_ref).stem if suite_ref.endswith(".py") else suite_ref.replace(":", ".")

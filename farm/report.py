@@ -122,6 +122,24 @@ def _latest_html(rows: list[dict[str, Any]], run_id: str) -> str:
     return _table(["model", "target", "status", "compile s", "speedup", "max error", "error"], body, "latest")
 
 
+def _side_by_side_html(rows: list[dict[str, Any]], run_id: str) -> str:
+    """The latest run as a model × target grid, so formats built from the same program (AOTInductor,
+    ExecuTorch .pte, core ATen, …) compare at a glance: status, speedup over eager, size."""
+    latest = [r for r in rows if r["run_id"] == run_id]
+    targets = sorted({r["target"] for r in latest})
+    cells: dict[tuple[str, str], str] = {}
+    for r in latest:
+        parts = [r["status"]]
+        if r.get("speedup"):
+            parts.append(f"{r['speedup']:.2f}x")
+        if r.get("artifact_bytes"):
+            parts.append(f"{r['artifact_bytes'] / 1024:.0f} KiB")
+        cells[(r["model"], r["target"])] = " · ".join(parts)
+    models = sorted({r["model"] for r in latest})
+    body = [[m, *(cells.get((m, t), "") for t in targets)] for m in models]
+    return _table(["model", *targets], body, "side-by-side")
+
+
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222}h1{margin-bottom:4px}
 .grid{display:flex;flex-wrap:wrap;gap:12px}
 table{border-collapse:collapse;margin:8px 0 20px}td,th{border:1px solid #ddd;padding:4px 8px;font-size:13px;text-align:left}
@@ -143,7 +161,8 @@ def render(history_rows: list[dict[str, Any]]) -> str:
         plots = "".join(f"<div>{f.to_html(full_html=False, include_plotlyjs=False)}</div>" for f in figures)
         sections.append(f"<h2>Suite {html.escape(suite)}: {len(runs)} run{'s' if len(runs) > 1 else ''}</h2>"
                         f"<h3>Regressions</h3>{_regressions_html(find_regressions(rows, latest), latest, previous)}"
-                        f"<div class='grid'>{plots}</div><h3>Latest run {html.escape(latest)}</h3>{_latest_html(rows, latest)}")
+                        f"<div class='grid'>{plots}</div><h3>Latest run {html.escape(latest)}, target by target</h3>"
+                        f"{_side_by_side_html(rows, latest)}<h3>Latest run {html.escape(latest)}</h3>{_latest_html(rows, latest)}")
     body = "".join(sections) or "<p>The history is empty: run <code>farm zoo run</code> first.</p>"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Nightly zoo compiles</title>"
             f"<style>{STYLE}</style><script>{get_plotlyjs()}</script></head>"

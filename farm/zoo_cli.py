@@ -56,6 +56,8 @@ def zoo_run(
     address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)"),
     report: Path = ReportOpt,
     date: Optional[str] = typer.Option(None, help="the history date of this run, YYYY-MM-DD (default: today, UTC)"),
+    target: list[str] = typer.Option([], "--target", "-t", help="compile every entry for these targets instead of "
+                                     "the suite's own, e.g. -t aoti-cpu -t executorch:xnnpack -t core-aten"),
 ) -> None:
     """Export and compile a suite on the farm, append it to the store's history, write the report, and exit 1
     when it regressed against the previous run (new failures, compile time +20%, speedup -10%, numerics)."""
@@ -67,7 +69,7 @@ def zoo_run(
 
     s = open_store(store)
     try:
-        run = run_suite(suite, s, address=address, date=date, progress=ProgressEvents)
+        run = run_suite(suite, s, address=address, date=date, progress=ProgressEvents, targets=target or None)
     except (ValueError, SpecError, StoreError) as e:
         raise fail(str(e)) from e
     write_report(run.history.to_pylist(), report)

@@ -123,9 +123,10 @@ class WorkerPool:
             placement = self._placements[resource][0]
             gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
             for p in queues.pop(resource):
+                advice = f"; {placement.unoffered}" if placement.unoffered else ""
                 result = _failed(p.unit, f"no Ray node offers resource {resource!r}{gpus}, so nothing could build it; "
-                                         f"start a node that can with ray start --resources \"$(farm resources)\"",
-                                 retryable=True)
+                                         f"start a node that can with ray start --resources \"$(farm resources)\""
+                                         f"{advice}", retryable=True)
                 events.finished(p.unit, result)
                 yield p.unit, result
         budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))

@@ -114,14 +114,14 @@ def zoo_runs(zoo_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """Head (2 CPUs, builds avx2) and a second node (1 CPU, builds only scalar x86-64, and claims
-    one sm_90 GPU it does not have: a fake GPU class for routing), with the test process joined
-    to it as the driver."""
+    """Head (2 CPUs, builds avx2 and ExecuTorch programs) and a second node (1 CPU, builds only
+    scalar x86-64, and claims one sm_90 GPU it does not have: a fake GPU class for routing), with
+    the test process joined to it as the driver."""
     import ray
 
     from tests.raycluster import start_cluster
 
-    cluster = start_cluster(tmp_path_factory.mktemp("inductor-cache"), head_resources={"farm_cpu_avx2": 2},
+    cluster = start_cluster(tmp_path_factory.mktemp("inductor-cache"), head_resources={"farm_cpu_avx2": 2, "farm_executorch": 2},
                             node_resources={"farm_cpu_x86_64": 1, "farm_cuda_sm90": 1, "farm_cuda": 1}, node_gpus=1)
     ray.init(address=cluster.address, namespace="farm", log_to_driver=False)
     yield cluster

@@ -53,7 +53,7 @@ def test_nightly_rayjob_runs_the_suite_against_s3_and_a_cronjob_starts_it():
 
 
 def test_worker_images_install_the_pinned_torch_first_and_the_project():
-    for name, extra in (("Dockerfile", ".[hf]"), ("Dockerfile.cuda", ".[gpu,hf]")):
+    for name, extra in (("Dockerfile", ".[hf,executorch]"), ("Dockerfile.cuda", ".[gpu,hf]")):
         text = (INFRA / "image" / name).read_text()
         torch_at, project_at = text.index("torch==2.13.0"), text.index(f'"{extra}"')
         assert torch_at < project_at, name  # an unpinned torch would pull the wrong build

@@ -34,6 +34,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "aoti-cpu": CPU_PRESETS,  # always a C++ wrapper: no wrapper choice to make
     "aoti-cuda": CUDA_PRESETS,
     "inductor-cache": {**CPU_PRESETS, "cpp_wrapper": {"cpp_wrapper": True}},  # torch.compile: Python or C++ wrapper
+    # executorch:xnnpack: one delegate call per partition (default) or per op
+    "executorch": {"default": {}, "per_op": {"per_op_mode": True}},
 }
 DEFAULT_SPACE = ("default", "max_autotune", "freezing")
 

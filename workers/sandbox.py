@@ -114,7 +114,6 @@ class Sandbox:
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
-        self._tmp: Path | None = None  # the running child's TMPDIR
         self._base: Path | None = None  # made when a child first starts: a plain hit never needs one
         self.starts = 0  # children started so far: one, unless units failed
         self.cost = SandboxCost()
@@ -183,12 +182,6 @@ class Sandbox:
         self._limits = (limits.memory_gb, limits.file_gb, device)
         env = child_env(home)
         self._env = {k: v for k, v in env.items() if k != "HOME"}
-        # A temp dir of the child's own, removed with it: torch's AOTInductor loader unpacks each
-        # artifact it loads into $TMPDIR/aotinductor_*, and a killed child (every child ends killed)
-        # left one behind per child; thousands filled a host's /tmp.
-        self._tmp = self._base / f"tmp-{self.starts}"
-        self._tmp.mkdir()
-        env.update(TMPDIR=str(self._tmp), FARM_GPU_LOCKS=str(tempdirs.GPU_LOCKS))
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
         self._proc = subprocess.Popen(
@@ -295,9 +288,7 @@ class Sandbox:
                 pass
         if self._replies is not None:
             os.close(self._replies)
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-        self._proc, self._replies, self._spawned, self._tmp = None, None, None, None
+        self._proc, self._replies, self._spawned = None, None, None
 
     def restart_if_environment_changed(self) -> None:
         """Between jobs: a child started under another environment than a fresh one would get now

@@ -8,6 +8,7 @@ check), so a unit loads its graph once.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,6 +34,27 @@ class StepFailed(Exception):
 
 def _archive_limits(unit: Unit) -> ArchiveLimits:
     return ArchiveLimits(max_bytes=int(unit.limits.archive_gb * GiB))
+
+
+@contextlib.contextmanager
+def unpacked_in(unit_dir: Path) -> Iterator[None]:
+    """TMPDIR in the unit's own dir while an artifact loads: torch's AOTInductor loader unpacks the
+    package into $TMPDIR/aotinductor_*, which only the loaded model's destructor removes, and a
+    child is always killed in the end, so one dir per child was left in /tmp (thousands on a busy
+    host). The unit's dir goes with the unit. Python's own temp dir stays: it is fixed at start,
+    and so is Inductor's precompiled header beside it, which every child shares."""
+    import tempfile
+
+    tempfile.gettempdir()  # settled before TMPDIR moves, if nothing asked yet
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(unit_dir)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
 
 
 @contextlib.contextmanager
@@ -168,7 +190,8 @@ class Steps(GangSteps):
                 check_archive(path, f"artifact of {unit.unit_id}", _archive_limits(unit), native_code=True)
             except HostileArchive as e:
                 raise StepFailed(str(e)) from e
-        compiled = resolve(unit.target).load(path, unit.target, ep)
+        with unpacked_in(Path.cwd()):
+            compiled = resolve(unit.target).load(path, unit.target, ep)
         self._compiled = (str(path), compiled)
         return compiled
 

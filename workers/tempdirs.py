@@ -18,9 +18,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _OWNED = re.compile(r"^farm-[a-z-]+?-(\d+)(?:\.(\d+))?-[^/]+$")
-# One lock file per GPU, shared by every worker and sandbox child on the host (workers/backends/cuda.py);
-# a sandbox child's TMPDIR is its own, so its sandbox passes this path down.
-GPU_LOCKS = Path(os.environ.get("FARM_GPU_LOCKS") or Path(tempfile.gettempdir()) / "farm-gpu-locks")
 
 
 def _pid_namespace() -> int:

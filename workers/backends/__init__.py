@@ -8,9 +8,11 @@ from workers.unit import Target
 def _registry() -> dict[str, Backend]:
     from workers.backends.aoti_cpu import AotiCpu
     from workers.backends.aoti_cuda import AotiCuda
+    from workers.backends.core_aten import CoreAten
+    from workers.backends.executorch import ExecuTorch
     from workers.backends.inductor_cache import InductorCache
 
-    return {b.name: b for b in (AotiCpu(), AotiCuda(), InductorCache())}
+    return {b.name: b for b in (AotiCpu(), AotiCuda(), InductorCache(), ExecuTorch(), CoreAten())}
 
 
 def backend_names() -> list[str]:

@@ -28,6 +28,7 @@ class Placement:
     device_class: str
     cpus: float = 1.0
     gpus: float = 0.0
+    unoffered: str = ""  # what to do when no node offers device_class, besides starting one that does
 
     @property
     def resources(self) -> dict[str, float]:

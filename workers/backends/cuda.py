@@ -39,7 +39,7 @@ def _workers_per_gpu() -> int:
 # share a GPU; each holds 1/N of it in Ray, and the node offers N slots per GPU.
 WORKERS_PER_GPU = _workers_per_gpu()
 PROBE_TIMEOUT_S = 180.0
-LOCKS = tempdirs.GPU_LOCKS
+LOCKS = Path(tempfile.gettempdir()) / "farm-gpu-locks"
 
 PROBE = r"""
 import json, sys

@@ -1,0 +1,154 @@
+"""Serialized programs for other runtimes (issue 15): ExecuTorch .pte, portable and with the
+XNNPACK delegate, and a canonical core-ATen program, built by the same keys, store, results,
+autotune and nightly paths as AOTInductor.
+
+The smoke zoo goes through `farm zoo run` on the test cluster with the three targets: every
+model compiles and verifies with ExecuTorch's own runtime, the ops XNNPACK cannot take stay on
+portable kernels, and the report shows the targets side by side. A .pte compiled into S3 runs
+in a fresh process; an op no runtime knows fails with its name; a host without the extra says
+which extra to install."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler.jobs import execute
+from scheduler.spec import parse_job
+from storage import store_from_uri
+from storage.history import read_history
+from workers.backends import executorch as et_backend
+
+pytestmark = pytest.mark.slow
+TARGETS = ["executorch:portable", "executorch:xnnpack", "core-aten"]
+SMOKE = {"mlp", "cnn", "encoder_block", "gpt"}
+
+
+def _farm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "farm", *args], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def night(ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serialized-night")
+    store, report = root / "store", root / "report.html"
+    targets = [a for t in TARGETS for a in ("--target", t)]
+    proc = _farm("zoo", "run", "--suite", "smoke", *targets, "--store", str(store), "--address", ray_cluster.address,
+                 "--report", str(report))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_history(store_from_uri(str(store))).to_pylist()
+    return store_from_uri(str(store)), report, rows
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def test_the_smoke_zoo_compiles_to_both_pte_flavours_and_core_aten(night):
+    store, _, rows = night
+    assert {(r["model"], r["target"]) for r in rows} == {(m, t) for m in SMOKE for t in TARGETS}
+    failed = [(r["model"], r["target"], r["error"]) for r in rows if r["status"] != "compiled"]
+    assert not failed, failed
+    assert all(r["max_abs_err"] is not None and r["speedup"] > 0 for r in rows)  # verified and benchmarked
+    version = importlib.metadata.version("executorch")
+    for r in rows:
+        manifest = store.get_manifest(r["key"])
+        facts, tools = manifest["artifact"], manifest["components"]["toolchain"]
+        if r["target"] == "core-aten":
+            assert facts["format"] == "torch-export-core-aten"
+            overloads = [_overload(op) for op in facts["ops"]]
+            assert overloads and all(torch.Tag.core in o.tags for o in overloads), facts["ops"]
+            continue
+        assert facts["format"] == "executorch-pte" and tools["executorch"] == version  # the key holds the version
+        if r["target"] == "executorch:portable":
+            assert facts["delegates"] == [] and facts["portable_ops"], facts
+        else:
+            assert facts["delegates"] == ["XnnpackBackend"] and tools["xnnpack_schema"] == "XN01", (facts, tools)
+
+
+def test_an_op_xnnpack_cannot_take_stays_on_portable_kernels(night):
+    """The CNN's global mean is not delegated: it must still be in the program, as a portable kernel."""
+    store, _, rows = night
+    (cnn,) = [r for r in rows if r["model"] == "cnn" and r["target"] == "executorch:xnnpack"]
+    facts = store.get_manifest(cnn["key"])["artifact"]
+    assert "aten::mean.out" in facts["portable_ops"] and facts["delegate_calls"] >= 1, facts
+
+
+def test_the_report_shows_the_targets_side_by_side(night):
+    _, report, _ = night
+    page = report.read_text()
+    grid = page.split('<table class="side-by-side">')[1].split("</table>")[0]
+    header = grid.split("</thead>")[0]
+    assert all(f"<th>{t}</th>" in header for t in TARGETS)
+    assert grid.count("<tr>") == 1 + len(SMOKE) and grid.count("compiled ·") == len(SMOKE) * len(TARGETS)
+
+
+def test_a_pte_compiled_into_s3_runs_in_a_fresh_process(s3_server, s3_uri, zoo_dir, tmp_path):
+    env = s3_server.env()
+    compiled = _farm("compile", str(zoo_dir / "encoder_block.pt2"), "-t", "executorch:xnnpack", "--store", s3_uri, env=env)
+    assert compiled.returncode == 0 and "1 compiled" in compiled.stdout, compiled.stdout + compiled.stderr
+    assert "model.pte" in compiled.stdout  # the hint names the right kind of file
+    key = compiled.stdout.split("farm fetch ")[1].split()[0]
+    dest = tmp_path / "encoder_block.pte"
+    fetched = _farm("fetch", key, str(dest), "--store", s3_uri, env=env)
+    assert fetched.returncode == 0 and "verified" in fetched.stdout, fetched.stdout + fetched.stderr
+    check = (
+        "import sys, torch\n"
+        "from farm.client import load_compiled\n"
+        "from workers.program import load_program\n"
+        "run = load_compiled(sys.argv[1])\n"
+        "eager = load_program(sys.argv[2], 'encoder_block').module()\n"
+        "x = torch.randn(3, 11, 32)  # batch and sequence both unlike the example (4, 16)\n"
+        "(got,) = run(x)\n"
+        "torch.testing.assert_close(got, eager(x), atol=1e-4, rtol=1e-4)\n"
+        "print('pte ok', tuple(got.shape))\n")
+    fresh = subprocess.run([sys.executable, "-c", check, str(dest), str(zoo_dir / "encoder_block.pt2")],
+                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert fresh.returncode == 0 and "pte ok (3, 11, 32)" in fresh.stdout, fresh.stdout + fresh.stderr[-3000:]
+
+
+def test_an_op_no_runtime_knows_fails_with_its_name(tmp_path):
+    from tests.fixtures.custom_ops import UsesMystery
+
+    program = tmp_path / "mystery.pt2"
+    torch.export.save(torch.export.export(UsesMystery(), (torch.randn(2, 8),)), str(program))
+    job = parse_job({"name": "mystery", "graphs": [str(program)], "targets": ["core-aten", "executorch:portable"],
+                     "modules": ["tests.fixtures.custom_ops"]})
+    results = {r.target: r for r in execute(job, store_from_uri(str(tmp_path / "store"))).results}
+    assert results["core-aten"].status == "failed"
+    assert "no decomposition to core ATen" in results["core-aten"].error
+    assert "farmtest.mystery.default" in results["core-aten"].error
+    assert results["executorch:portable"].status == "failed"
+    assert "ExecuTorch has no kernel for these operators: {'farmtest::mystery'}" in results["executorch:portable"].error
+
+
+def test_xnnpack_autotunes_through_the_same_path(zoo_dir, tmp_path):
+    job = parse_job({"name": "tune-pte", "graphs": [str(zoo_dir / "mlp.pt2")],
+                     "targets": [{"backend": "executorch", "isa": "xnnpack", "autotune": {"candidates": ["per_op"]}}]})
+    store = store_from_uri(str(tmp_path / "store"))
+    rows = {r.target: r for r in execute(job, store).results}
+    tuned = "executorch:xnnpack (autotuned)"
+    assert set(rows) == {"executorch:xnnpack[default]", "executorch:xnnpack[per_op]", tuned}, rows
+    assert all(r.status == "compiled" for r in rows.values()), {t: r.error for t, r in rows.items()}
+    manifest = store.get_manifest(rows[tuned].key)
+    assert manifest["autotune"]["winner"] in ("default", "per_op") and manifest["artifact"]["format"] == "executorch-pte"
+
+
+def test_without_the_extra_the_targets_say_which_to_install(monkeypatch, zoo_dir, tmp_path):
+    from workers.backends import get_backend, offered_resources
+
+    monkeypatch.setattr(et_backend, "installed", lambda: None)
+    assert et_backend.RESOURCE not in offered_resources(2)  # such a host offers no slots for them
+    assert "pip install -e '.[executorch]'" in get_backend("executorch").placement(None).unoffered
+    job = parse_job({"name": "no-extra", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["executorch:xnnpack"],
+                     "limits": {"retries": 0}})
+    (result,) = execute(job, store_from_uri(str(tmp_path / "store"))).results
+    assert result.status == "failed"
+    assert "needs ExecuTorch, which this host lacks: pip install -e '.[executorch]'" in result.error, result.error
