@@ -30,7 +30,7 @@ def outside_core(ep: ExportedProgram) -> list[str]:
         target = node.target
         if node.op != "call_function" or target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
             continue
-        if torch.Tag.core not in target.tags and not target.namespace == "prims":
+        if torch.Tag.core not in target.tags:
             found.add(str(target))
     return sorted(found)
 
@@ -47,6 +47,9 @@ class CoreAten:
     name = "core-aten"
     weights_in_code = True  # the saved program carries its weights
     device = "cpu"
+
+    def __init__(self) -> None:
+        self._lowered: tuple[str, dict[str, int]] | None = None  # the last artifact and its ops, for describe
 
     def validate(self, target: Target) -> None:
         if target.isa:
@@ -84,6 +87,7 @@ class CoreAten:
                                 f"given as core ATen: {', '.join(left)}")
         out = workdir / "core-aten.pt2"
         torch.export.save(core, str(out))
+        self._lowered = (str(out), op_census(core))
         return out
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
@@ -98,8 +102,12 @@ class CoreAten:
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         from workers.program import load_program
 
+        if self._lowered and self._lowered[0] == str(artifact):  # describe follows lower: no second load
+            ops = self._lowered[1]
+        else:
+            ops = op_census(load_program(artifact, f"core-aten artifact {artifact.name}"))
         return {
             "format": "torch-export-core-aten",
-            "ops": op_census(load_program(artifact, f"core-aten artifact {artifact.name}")),
+            "ops": ops,
             "load": "torch.export.load(PATH).module()",
         }

@@ -15,6 +15,7 @@ saying which extra to install.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -46,6 +47,7 @@ def installed() -> str | None:
         return None
 
 
+@functools.cache
 def _xnnpack_schema() -> str | None:
     """The XNNPACK delegate's serialization schema (its flatbuffer identifier, e.g. XN01)."""
     spec = importlib.util.find_spec("executorch.backends.xnnpack")
