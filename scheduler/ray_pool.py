@@ -22,13 +22,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from storage import CacheConfig, Store, store_from_uri
-from workers import tempdirs
+from workers import host_check, tempdirs
 from workers.backends import LoweringError, Placement, resolve
 from workers.gang import GangComm, read_own_graph, run_rank
 from workers.pipeline import run_unit
 from workers.rendezvous import open_store
 from workers.sandbox import Sandbox
-from workers.unit import Gang, Unit, UnitLimits, UnitResult
+from workers.unit import Gang, Target, Unit, UnitLimits, UnitResult
 
 __all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "TaskFailed",
            "run_tasks"]
@@ -65,13 +65,18 @@ class GangMember:
     """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
     long as the gang. Rank 0 hosts the store the gang's process group forms through."""
 
-    def __init__(self, store_uri: str, limits: UnitLimits, device: str, rank: int, reads: bool):
+    def __init__(self, store_uri: str, target: Target, limits: UnitLimits, device: str, rank: int, reads: bool):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
         self.rank, self.host = rank, ray.util.get_node_ip_address()
         self.rendezvous = None
         self.sandbox = Sandbox()
         if reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
             self.sandbox.prestart(limits, device)
+        # Whether this host can build the target, asked by one rank (its probe builds serve the gang's
+        # ranks on this host; four ranks that load and may then diverge are not slowed by four) and
+        # as the rank starts: asked with its graph's load, the answer kept rank 0's compile waiting.
+        if rank == 0:
+            host_check.start(target)
 
     def host_store(self, timeout_s: float) -> tuple[str, int]:
         self.rendezvous = open_store(self.host, 0, True, timeout_s)
@@ -195,7 +200,8 @@ class GangRunner:
                 name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote(store_uri, gang.ranks[r].limits, device, r, gang.reader_of(r) == r) for r in range(gang.world_size)]
+            ).remote(store_uri, gang.ranks[r].target, gang.ranks[r].limits, device, r, gang.reader_of(r) == r)
+                for r in range(gang.world_size)]
             for unit in gang.ranks:
                 events.started(unit)
             return self._await(gang, actors)

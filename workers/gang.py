@@ -112,8 +112,6 @@ def read_own_graph(gang: Gang, rank: int, store: Store, sandbox: Sandbox, workdi
     collective. A rank reads it before the gang's process group forms: the reader's load then
     overlaps with the other ranks' start (their torch import), which it used to wait for."""
     unit = gang.ranks[rank]
-    if rank == 0:  # asked while the ranks agree, by one rank: its probe builds serve the other ranks on its host, and
-        host_check.start(unit.target)  # a gang whose ranks all load (and may then diverge) is not slowed by four
     if unit.program is None:
         return {"error": unit.ingest_error or f"{unit.source} could not be read", "facts": None}
     if gang.reader_of(rank) != rank:
