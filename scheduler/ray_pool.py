@@ -178,8 +178,9 @@ class GangRunner:
         slots = max((min(n["Resources"].get(resource, 0), n["Resources"].get("CPU", 0))
                      for n in ray.nodes() if n.get("Alive")), default=0)
         if slots <= 0:
+            advice = f"; {placement.unoffered}" if placement.unoffered else ""
             return (f"no Ray node offers resource {resource!r} and a CPU, so no rank could be placed; start a node "
-                    f"that can with ray start --resources \"$(farm resources)\"")
+                    f"that can with ray start --resources \"$(farm resources)\"{advice}")
         share = round(min(1.0, slots / gang.world_size), 4)
         bundle = {"CPU": share, resource: share} | ({"GPU": placement.gpus} if placement.gpus else {})
         return bundle, resolve(gang.ranks[0].target).device

@@ -77,6 +77,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_fingerprint() -> dict[str, Any]:
+    """What about this host's CPU decides how fast code runs on it (benchmarks are recorded with it)."""
+    return {"device": "cpu", "cpu_model": cpu_model(), "vec_isas": sorted(host_vec_isas())}
+
+
 def isa_resource(isa: str) -> str:
     """The Ray custom resource a node offers for each CPU slot that can build this ISA."""
     return "farm_cpu_" + isa.replace("-", "_")
@@ -127,7 +132,7 @@ class PinnedCpuTarget:
         return ep
 
     def device_fingerprint(self, target: Target) -> dict[str, Any]:
-        return {"device": "cpu", "cpu_model": cpu_model(), "vec_isas": sorted(host_vec_isas()), "isa": self.isa(target)[0]}
+        return {**cpu_fingerprint(), "isa": self.isa(target)[0]}
 
     def host_problem(self, target: Target) -> str | None:
         name, isa = self.isa(target)

@@ -133,7 +133,7 @@ class ExecuTorch:
         return {RESOURCE: float(slots)} if installed() else {}
 
     def device_fingerprint(self, target: Target) -> dict[str, Any]:
-        return {"device": "cpu", "cpu_model": cpu_isa.cpu_model(), "vec_isas": sorted(cpu_isa.host_vec_isas())}
+        return cpu_isa.cpu_fingerprint()
 
     def host_problem(self, target: Target) -> str | None:
         if installed() is None:
