@@ -17,19 +17,14 @@ def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Pa
     from workers.backends.aoti_cpu import load_with_weights, program_constants
     from workers.program import load_program
 
-    if _is_pte(Path(artifact)):
-        from workers.backends.executorch import load_pte
+    from workers.backends.executorch import is_pte, load_pte
 
+    if is_pte(Path(artifact)):
         return load_pte(Path(artifact))
     if weights_from is None:
         return torch._inductor.aoti_load_package(str(artifact))
     ep = weights_from if isinstance(weights_from, ExportedProgram) else load_program(Path(weights_from), str(weights_from))
     return load_with_weights(Path(artifact), program_constants(ep))
-
-
-def _is_pte(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(8)[4:6] == b"ET"  # an ExecuTorch flatbuffer's file identifier, ET12 for example
 
 
 def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:

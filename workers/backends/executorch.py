@@ -3,8 +3,8 @@
 The exported program is lowered to the Edge dialect and emitted as a .pte, with no delegate
 (every op runs on ExecuTorch's portable kernels) or with the XNNPACK delegate taking the ops it
 supports; the ops it cannot take stay in the program and run on portable kernels, and `facts`
-lists both, so nothing is dropped unseen. An op no portable kernel implements fails the
-lowering with ExecuTorch's own message, which names it.
+lists both, so nothing is dropped unseen. An op no ExecuTorch kernel implements fails the
+lowering with a message that names it.
 
 Verification and benchmarks run the .pte with ExecuTorch's Python runtime, in the sandbox like
 every artifact; the runtime checks the program's internal consistency as it loads it.
@@ -71,6 +71,11 @@ def pte_contents(artifact: Path) -> dict[str, Any]:
         "delegates": sorted({d.id for p in plans for d in p.delegates}),
         "delegate_calls": sum(len(p.delegates) for p in plans),
     }
+
+
+def is_pte(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8)[4:6] == b"ET"  # the flatbuffer's file identifier, ET12 for example
 
 
 def load_pte(artifact: Path, ep: ExportedProgram | None = None) -> Callable[..., Any]:
