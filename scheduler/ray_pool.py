@@ -7,6 +7,7 @@ its device class). Gangs get a placement group and one `GangMember` actor per ra
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import tempfile
@@ -20,11 +21,13 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from scheduler.gang_actor import GangMember
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from storage import CacheConfig, Store, store_from_uri
 from workers import host_check, tempdirs
 from workers.backends import LoweringError, Placement, resolve
 from workers.gang import GangComm, read_own_graph, run_rank
+from workers.gang_early import EarlyCompile, compiles_early
 from workers.pipeline import run_unit
 from workers.rendezvous import open_store
 from workers.sandbox import Sandbox
@@ -61,37 +64,58 @@ class CompileWorker:
 _RemoteWorker = ray.remote(max_restarts=0, max_concurrency=2)(CompileWorker)  # resources: per placement
 
 
-class GangMember:
-    """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
-    long as the gang. Rank 0 hosts the store the gang's process group forms through."""
+class GangRank:
+    """What a gang's rank does, in its actor (scheduler/gang_actor.py's `GangMember`). Rank 0
+    hosts the store the gang's process group forms through."""
 
-    def __init__(self, store_uri: str, target: Target, limits: UnitLimits, device: str, rank: int, reads: bool):
+    def __init__(self, store_uri: str, target: Target, limits: UnitLimits, device: str, rank: int, reads: bool,
+                 identical_ranks: bool):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
         self.rank, self.host = rank, ray.util.get_node_ip_address()
         self.rendezvous = None
+        self.tmp: tempfile.TemporaryDirectory | None = None  # the rank's work dir, from `read` to the end of `run`
+        self.own: dict[str, Any] = {}  # what its graph says (`read`)
+        self.early: EarlyCompile | None = None
         self.sandbox = Sandbox()
         if reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
             self.sandbox.prestart(limits, device)
         # Whether this host can build the target, asked by one rank (its probe builds serve the gang's
         # ranks on this host; four ranks that load and may then diverge are not slowed by four) and
         # as the rank starts: asked with its graph's load, the answer kept rank 0's compile waiting.
+        # Urgently where rank 0 reads for all: it compiles early, and the others start after the answer.
         if rank == 0:
-            host_check.start(target)
+            host_check.start(target, urgent=identical_ranks)
 
     def host_store(self, timeout_s: float) -> tuple[str, int]:
         self.rendezvous = open_store(self.host, 0, True, timeout_s)
         return self.host, self.rendezvous.port
 
-    def run(self, gang: Gang, address: tuple[str, int]) -> UnitResult:
+    def read(self, gang: Gang) -> bool:
+        """Read this rank's graph, before the gang's process group forms: the load overlaps the other
+        ranks' start. Rank 0 of identical ranks then starts compiling (workers/gang_early.py) and
+        answers once that compile has the host check's answer, so that ranks started after this
+        call (scheduler: `GangRunner`) take no CPU from its load and probe. Whether it compiles early."""
+        self.tmp = tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang"))
+        self.own = read_own_graph(gang, self.rank, self.store, self.sandbox, Path(self.tmp.name))
+        if compiles_early(gang, self.rank, self.own):
+            self.early = EarlyCompile(gang.ranks[0], self.store, self.sandbox)
+            concurrent.futures.wait([host_check.start(gang.ranks[0].target)])
+        return self.early is not None
+
+    def run(self, gang: Gang, address: tuple[str, int] | None) -> UnitResult:
         timeout = gang.collective_timeout_s
-        with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang")) as tmp:
-            own = read_own_graph(gang, self.rank, self.store, self.sandbox, Path(tmp))  # while the other ranks start
+        try:
             store = self.rendezvous or open_store(address[0], address[1], False, timeout)
             comm = GangComm(store, self.rank, gang.world_size, timeout)
             try:
-                result = run_rank(comm, gang, own, self.store, self.sandbox, self.host, Path(tmp))
+                result = run_rank(comm, gang, self.own, self.store, self.sandbox, self.host, Path(self.tmp.name),
+                                  self.early)
             finally:
                 comm.close()
+        finally:
+            if self.early is not None:  # the group never formed: it stops, publishing nothing
+                self.early.cancel("the gang's process group did not form")
+            self.tmp.cleanup()
         result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
 
@@ -99,7 +123,7 @@ class GangMember:
         self.sandbox.close()
 
 
-_RemoteGangMember = ray.remote(max_restarts=0)(GangMember)
+_RemoteGangMember = ray.remote(max_restarts=0)(GangMember)  # its module imports no torch (scheduler/gang_actor.py)
 PLACE_S = 60.0  # a gang whose bundles Ray cannot reserve by then fails, with what it asked for
 
 
@@ -197,29 +221,49 @@ class GangRunner:
             if not pg.wait(timeout_seconds=PLACE_S):
                 return [_failed(u, f"gang {gang.label}: Ray could not reserve {gang.world_size} bundles of {bundle} "
                                    f"within {PLACE_S:g}s; free or add nodes", retryable=True) for u in gang.ranks]
-            actors = [_RemoteGangMember.options(
-                name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote(store_uri, gang.ranks[r].target, gang.ranks[r].limits, device, r, gang.reader_of(r) == r)
-                for r in range(gang.world_size)]
+
+            def start(r: int) -> Any:
+                return _RemoteGangMember.options(
+                    name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                ).remote(store_uri, gang.ranks[r].target, gang.ranks[r].limits, device, r, gang.reader_of(r) == r,
+                         gang.identical)
+
+            actors.extend(start(r) for r in range(gang.world_size) if gang.reader_of(r) == r)
             for unit in gang.ranks:
                 events.started(unit)
-            return self._await(gang, actors)
+            return self._await(gang, actors, start)
         finally:
             _stop(actors, close=self._returned)  # ranks still in a collective cannot answer a close
             remove_placement_group(pg)
 
-    def _await(self, gang: Gang, actors: list) -> list[UnitResult]:
+    def _await(self, gang: Gang, actors: list, start: Callable[[int], Any]) -> list[UnitResult]:
         """Every rank's result; the first rank to die or fail to answer stops the gang at once."""
         limit = max(u.limits.timeout_s for u in gang.ranks) + gang.collective_timeout_s + WORKER_GRACE_S
+        readers = [r for r in range(gang.world_size) if gang.reader_of(r) == r]
+        waiting = [r for r in range(gang.world_size) if r not in readers]
+        member = dict(zip(readers, actors))
+        hosting = member[0].host_store.remote(gang.collective_timeout_s)
+        reads = {r: member[r].read.options(name=f"gang {gang.label} rank {r} reads").remote(gang) for r in readers}
+        runs = {0: member[0].run.options(name=f"gang {gang.label} rank 0").remote(gang, None)}  # it hosts the store
         try:
-            address = ray.get(actors[0].host_store.remote(gang.collective_timeout_s), timeout=limit)
-        except (ActorDiedError, ActorUnavailableError, RayActorError, GetTimeoutError) as e:
-            return [_failed(u, f"gang {gang.label}: rank 0's worker did not start ({type(e).__name__})",
-                            retryable=True) for u in gang.ranks]
-        futures = [actor.run.options(name=f"gang {gang.label} rank {r}").remote(gang, address)
-                   for r, actor in enumerate(actors)]
+            address = ray.get(hosting, timeout=limit)
+            if waiting:
+                ray.get(reads[0], timeout=limit)
+        except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError, GetTimeoutError) as e:
+            return [_failed(u, f"gang {gang.label}: rank 0's worker did not start or read its graph "
+                               f"({type(e).__name__})", retryable=True) for u in gang.ranks]
+        # Ranks that only wait for rank 0's graph start once it has read it and, compiling early, has
+        # the host check's answer (scheduler/gang_actor.py): where cores are few, their start then
+        # overlaps rank 0's lowering instead of slowing its start, load and probe.
+        for r in waiting:
+            member[r] = start(r)
+            actors.append(member[r])
+            member[r].read.options(name=f"gang {gang.label} rank {r} reads").remote(gang)
+        runs.update((r, member[r].run.options(name=f"gang {gang.label} rank {r}").remote(gang, address))
+                    for r in range(1, gang.world_size))
+        futures = [runs[r] for r in range(gang.world_size)]
         results: dict[int, UnitResult] = {}
         deadline = time.monotonic() + limit
         while len(results) < len(futures):

@@ -37,6 +37,8 @@ def test_identical_data_parallel_ranks_compile_once(ray_cluster, tmp_path):
     assert len({r.key for r in results}) == 1 and len({r.artifact.digest for r in results}) == 1
     assert {r.metrics["gang_leader"] for r in results} == {0.0}
     assert len({r.worker for r in results}) == 4  # four rank actors, on two cores
+    # rank 0 compiled while the other ranks started, and published once the gang had agreed
+    assert results[0].metrics["gang_compiled_early"] == 1.0 and "agree" in results[0].timings
 
 
 def test_tensor_parallel_ranks_agree_on_one_range_and_verify_across_the_gang(ray_cluster, tmp_path):

@@ -38,3 +38,13 @@ def test_a_worker_names_inductors_compiler_and_cache_without_importing_inductor(
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", env_cxx or "g++"]
+
+
+def test_a_gang_rank_lowers_its_priority_before_it_imports_torch(tmp_path):
+    """The gang actor's module (what Ray imports to start a rank) imports no torch: a rank that
+    only waits (scheduler/gang_actor.py) is niced before torch's import costs it a second of CPU."""
+    probe = "import sys; import scheduler.gang_actor; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]

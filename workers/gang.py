@@ -18,6 +18,8 @@ the same order, so each collective meets all ranks:
    re-export their program with them; `inductor-cache` ranks mark the same dimensions dynamic.
 3. *fingerprints*: the ranks all-gather their program identities; ranks with identical programs
    compile once (the lowest such rank, the *leader*), the others take its published artifact.
+   Where every rank's archive has the same bytes, rank 0 starts that compile before the group
+   forms, and publishes only once these collectives have confirmed it (workers/gang_early.py).
 4. Graphs without collectives compile and verify on their leaders as any unit does. Graphs with
    collectives are verified in lockstep: every rank runs its artifact in its sandbox, whose
    children form their own process group, against its program run eagerly over the same group;
@@ -45,6 +47,7 @@ from storage.identities import put_identity
 from workers import host_check
 from workers.backends import LoweringError
 from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
+from workers.gang_early import EarlyCompile
 from workers.gang_tune import GangTuning, NoCandidate, tune
 from workers.keys import identity_variant
 from workers.lookup import Found, UnitFailed, find, identify_in, lookup_unit, parse_identity
@@ -129,9 +132,10 @@ def read_own_graph(gang: Gang, rank: int, store: Store, sandbox: Sandbox, workdi
 
 
 def run_rank(comm: GangComm, gang: Gang, own: dict[str, Any], store: Store, sandbox: Sandbox, host: str,
-             workdir: Path) -> UnitResult:
+             workdir: Path, early: EarlyCompile | None = None) -> UnitResult:
     """This rank's part of compiling the gang, once it has read its graph (`read_own_graph`);
-    every rank of the gang calls it at once."""
+    every rank of the gang calls it at once. `early`: rank 0's compile, started before the
+    group formed (workers/gang_early.py), which this confirms or stops."""
     rank = comm.rank
     unit = gang.ranks[rank]
     try:
@@ -141,7 +145,7 @@ def run_rank(comm: GangComm, gang: Gang, own: dict[str, Any], store: Store, sand
         def compile_as(unit: Unit) -> UnitResult:
             if has_collectives:
                 return _Lockstep(comm, gang, leaders, host).run(unit, store, sandbox)
-            return _each_alone(comm, gang, unit, leaders, store, sandbox)
+            return _each_alone(comm, gang, unit, leaders, store, sandbox, early)
 
         tuning = None
         if gang.candidates:
@@ -154,6 +158,9 @@ def run_rank(comm: GangComm, gang: Gang, own: dict[str, Any], store: Store, sand
                 _keep_record(tuning, result, store)
     except (GangFailed, NoCandidate) as e:
         return _failed(unit, gang, str(e))
+    finally:
+        if early is not None:  # once confirmed, nothing; else it stops and publishes nothing
+            early.cancel("the gang did not agree")
     result.metrics.update(gang_rank=float(rank), gang_world_size=float(gang.world_size),
                           gang_leader=float(leaders[rank]), gang_graphs=float(len(set(leaders))))
     if result.status == "failed" and result.error and not result.error.startswith("gang "):
@@ -228,12 +235,15 @@ def _outcome(result: UnitResult) -> dict[str, Any]:
     return {"status": result.status, "error": result.error}
 
 
-def _each_alone(comm: GangComm, gang: Gang, unit: Unit, leaders: list[int], store: Store, sandbox: Sandbox) -> UnitResult:
-    """Graphs without collectives: each leader compiles and verifies on its own, as any unit;
-    the ranks that share its program wait for it and take its artifact."""
+def _each_alone(comm: GangComm, gang: Gang, unit: Unit, leaders: list[int], store: Store, sandbox: Sandbox,
+                early: EarlyCompile | None) -> UnitResult:
+    """Graphs without collectives: each leader compiles and verifies on its own, as any unit
+    (rank 0 may have started before the gang agreed); the ranks that share its program wait for
+    it and take its artifact."""
     rank, leader, tag = comm.rank, leaders[comm.rank], f"{gang.name}/{unit.target.label}/compiled"
     if leader == rank:
-        result = run_unit(unit, store, sandbox)
+        confirmed = early.confirm(unit) if early is not None and leader == 0 else None
+        result = confirmed or run_unit(unit, store, sandbox)
         comm.post(f"{tag}/{rank}", _outcome(result))
         return result
     [said] = comm.await_posts([f"{tag}/{leader}"], unit.limits.timeout_s, f"rank {leader} to compile its graph")

@@ -222,7 +222,10 @@ def unit_key(ctx: UnitContext, before_loading: Callable[[], Any] = lambda: None)
     return ctx.found
 
 
-def compile_unit(ctx: UnitContext) -> Outcome:
+def compile_unit(ctx: UnitContext, before_publish: Callable[[], None] | None = None) -> Outcome:
+    """Look the unit up; on a miss, lower, verify, benchmark and publish it under its lease.
+    `before_publish` may hold the publication back, or refuse it by raising UnitFailed (a gang's
+    rank 0 that compiled before its gang agreed, workers/gang_early.py)."""
     found = unit_key(ctx, before_loading=lambda: host_check.start(ctx.unit.target))
     if found.manifest is not None:
         ctx.log.note("hit: a manifest exists, nothing to compile")
@@ -243,6 +246,9 @@ def compile_unit(ctx: UnitContext) -> Outcome:
             verified = check_artifact(ctx, lowered.artifact, verify_it=True, bench_it=False)
         with ctx.phase("benchmark"):
             benched = check_artifact(ctx, lowered.artifact, verify_it=False, bench_it=True)
+        if before_publish is not None:
+            with ctx.phase("agree"):  # the time it held the publication back
+                before_publish()
         return publish(ctx, Compiled(lowered, verified.then(benched), found.built_with))
 
 

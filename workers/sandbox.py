@@ -290,6 +290,16 @@ class Sandbox:
             os.close(self._replies)
         self._proc, self._replies, self._spawned = None, None, None
 
+    def interrupt(self) -> None:
+        """From another thread: kill the child (and the compilers it started) now. The thread in
+        `call` then fails with SandboxFailed and cleans up; the next call starts a fresh child."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def restart_if_environment_changed(self) -> None:
         """Between jobs: a child started under another environment than a fresh one would get now
         (a changed TORCHINDUCTOR_CACHE_DIR, CXX, ...) is stopped; the next call starts one. Never

@@ -134,6 +134,11 @@ class Gang:
     def label(self) -> str:
         return f"{self.name}@{self.ranks[0].target.label}"
 
+    @property
+    def identical(self) -> bool:
+        """Whether every rank's archive has the same bytes (rank 0 reads for them all)."""
+        return all(self.reader_of(r) == 0 for r in range(self.world_size))
+
     def reader_of(self, rank: int) -> int:
         """The rank that loads rank `rank`'s archive: the lowest rank whose archive has the same
         bytes (what a graph says follows from its bytes, so identical archives are read once)."""

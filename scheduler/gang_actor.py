@@ -1,0 +1,43 @@
+"""The actor a gang's rank runs in: a shell that imports no torch, so that a rank with nothing of
+its own to read lowers its CPU priority before it pays for torch's import.
+
+Where a node has fewer free cores than the gang has ranks (a gang of 4 on 2 cores), starting
+the ranks is most of a gang's overhead: every rank imports torch for its gloo group, while the
+gang waits on one of them, the rank that reads the graph (`Gang.reader_of`) and compiles it. A
+rank whose archive has the same bytes as a lower rank's only joins the collectives and takes
+that rank's artifact. It is started once rank 0 has read its graph (scheduler/ray_pool.py's
+`GangRunner`; rank 0 of identical ranks is by then compiling, workers/gang_early.py), and runs
+at a low priority from its first line, so rank 0's start, load and compile get the cores first.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Linux: this thread and what it starts (a sandbox child, gloo's threads); below the host check's 10
+WAITING_NICE = 19
+
+
+class GangMember:
+    """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
+    long as the gang (its work: scheduler/ray_pool.py's `GangRank`)."""
+
+    def __init__(self, store_uri: str, target: Any, limits: Any, device: str, rank: int, reads: bool,
+                 identical_ranks: bool):
+        if not reads:
+            os.nice(WAITING_NICE)
+        from scheduler.ray_pool import GangRank  # torch, the store, the pipeline: after the nice
+
+        self.rank = GangRank(store_uri, target, limits, device, rank, reads, identical_ranks)
+
+    def host_store(self, timeout_s: float) -> tuple[str, int]:
+        return self.rank.host_store(timeout_s)
+
+    def read(self, gang: Any) -> bool:
+        return self.rank.read(gang)
+
+    def run(self, gang: Any, address: tuple[str, int] | None) -> Any:
+        return self.rank.run(gang, address)
+
+    def close(self) -> None:
+        self.rank.close()
