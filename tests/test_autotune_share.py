@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-from farm.zoo import export_model
 from storage import store_from_uri
 from storage.results import read_results
 
@@ -34,18 +33,24 @@ def _run_on_a_fresh_worker(graph, store: str, tmp_path, name: str) -> dict:
     return s.get_manifest(row["key"])["metrics"]
 
 
-def test_second_worker_does_no_gemm_benchmarking(zoo_dir, tmp_path):
+def _one_gemm(path, scale: float):
+    """A program with one GEMM (its autotuning is what this file is about, and costs seconds per GEMM)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        layer.weight.mul_(scale)
+    torch.export.save(torch.export.export(layer, (torch.randn(8, 64),)), str(path))
+    return path
+
+
+def test_second_worker_does_no_gemm_benchmarking(tmp_path):
     store = str(tmp_path / "store")
-    first = _run_on_a_fresh_worker(zoo_dir / "mlp.pt2", store, tmp_path, "first")
-    assert first["autotune_benchmarked"] >= 3 and first["autotune_published"] >= 6  # 3 GEMMs x 2 choices
+    first = _run_on_a_fresh_worker(_one_gemm(tmp_path / "v1.pt2", 1.0), store, tmp_path, "first")
+    assert first["autotune_benchmarked"] >= 1 and first["autotune_published"] >= 2  # 1 GEMM x its choices
     assert list(store_from_uri(store).backend.list("tuning/inductor/"))
 
-    ep = export_model("mlp")  # the next checkpoint: another key, the same GEMM shapes
-    with torch.no_grad():
-        for p in ep.state_dict.values():
-            p.mul_(0.9)
-    torch.export.save(ep, str(tmp_path / "mlp_v2.pt2"))
-    second = _run_on_a_fresh_worker(tmp_path / "mlp_v2.pt2", store, tmp_path, "second")
+    # the next checkpoint: another key, the same GEMM shape
+    second = _run_on_a_fresh_worker(_one_gemm(tmp_path / "v2.pt2", 0.9), store, tmp_path, "second")
     assert second["autotune_seeded"] >= first["autotune_published"]
     assert second["autotune_benchmarked"] == 0 and second["autotune_published"] == 0
 
