@@ -64,7 +64,8 @@ class EarlyCompile:
             return None
         self._decided.set()
         self._thread.join()
-        self._result.metrics["gang_compiled_early"] = 1.0
+        if self._result.status == "compiled":  # not a hit it found, nor a failure
+            self._result.metrics["gang_compiled_early"] = 1.0
         return self._result
 
     @property
