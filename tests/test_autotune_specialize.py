@@ -19,12 +19,18 @@ def _job(zoo_dir, sizes):
         {"backend": "aoti-cpu", "autotune": {"candidates": ["single_thread"], "specialize": {"x.0": sizes}}}]})
 
 
-@pytest.mark.slow
-def test_a_hot_size_is_compiled_measured_and_served(zoo_dir, tmp_path):
-    store = store_from_uri(str(tmp_path / "store"))
-    # the default candidate is already in the store from a plain job, never timed at batch 8
+@pytest.fixture(scope="module")
+def hot_job(zoo_dir, tmp_path_factory):
+    """A plain job, then the hot-size job [8], into one store: the default candidate is in the
+    store from the plain job, never timed at batch 8."""
+    store = store_from_uri(str(tmp_path_factory.mktemp("hot") / "store"))
     plain = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
-    outcome = execute(_job(zoo_dir, [8]), store)
+    return store, plain, execute(_job(zoo_dir, [8]), store)
+
+
+@pytest.mark.slow
+def test_a_hot_size_is_compiled_measured_and_served(hot_job, tmp_path):
+    store, plain, outcome = hot_job
     rows = {r.target: r for r in outcome.results}
     assert rows["aoti-cpu[default]"].key == plain.results[0].key and rows["aoti-cpu[default]"].status == "hit"
     assert rows["aoti-cpu[x.0=8]"].status == "compiled", rows["aoti-cpu[x.0=8]"].error
@@ -62,11 +68,9 @@ def test_a_dimension_that_is_not_dynamic_is_rejected(zoo_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_hot_size_timings_of_a_hit_are_kept_so_the_job_again_measures_nothing(zoo_dir, tmp_path):
-    store = store_from_uri(str(tmp_path / "store"))
-    execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
-    first = execute(_job(zoo_dir, [4]), store)
-    assert "benchmark" in {r.target: r for r in first.results}["aoti-cpu[default]"].timings  # timed at batch 4
-    again = execute(_job(zoo_dir, [4]), store)
+def test_hot_size_timings_of_a_hit_are_kept_so_the_job_again_measures_nothing(hot_job, zoo_dir):
+    store, _, first = hot_job
+    assert "benchmark" in {r.target: r for r in first.results}["aoti-cpu[default]"].timings  # a hit, timed at batch 8
+    again = execute(_job(zoo_dir, [8]), store)
     assert {r.target: r.status for r in again.results}["aoti-cpu (autotuned)"] == "hit"
     assert not any("benchmark" in r.timings for r in again.results)

@@ -21,12 +21,15 @@ def _ray_resources(group: dict) -> dict[str, float]:
     return json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string
 
 
-def test_raycluster_worker_groups_declare_the_farms_device_classes():
+def test_raycluster_worker_groups_declare_the_farms_device_classes(monkeypatch):
+    from workers.backends import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "host_vec_isas", lambda: {"avx2", "avx512"})  # the group's c7i nodes, not this host
     (cluster,) = _docs("raycluster.yaml")
     assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     cpu, gpu = _ray_resources(groups["cpu-avx512"]), _ray_resources(groups["gpu-h100"])
-    assert set(cpu) == set(offered_resources(1))  # every CPU class a CPU node can build
+    assert set(cpu) == set(offered_resources(1))  # every CPU class an AVX-512 node can build
     assert {"farm_cuda", "farm_cuda_sm90"} <= set(gpu) and groups["gpu-h100"]["rayStartParams"]["num-gpus"] == "1"
     images = {c["image"] for g in groups.values() for c in g["template"]["spec"]["containers"]}
     assert images == {"ghcr.io/pt2-farm/farm:cpu", "ghcr.io/pt2-farm/farm:cuda"}
