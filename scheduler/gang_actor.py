@@ -33,8 +33,8 @@ class GangMember:
     def host_store(self, timeout_s: float) -> tuple[str, int]:
         return self.rank.host_store(timeout_s)
 
-    def read(self, gang: Any) -> bool:
-        return self.rank.read(gang)
+    def read(self, gang: Any) -> None:
+        self.rank.read(gang)
 
     def run(self, gang: Any, address: tuple[str, int] | None) -> Any:
         return self.rank.run(gang, address)

@@ -90,17 +90,16 @@ class GangRank:
         self.rendezvous = open_store(self.host, 0, True, timeout_s)
         return self.host, self.rendezvous.port
 
-    def read(self, gang: Gang) -> bool:
+    def read(self, gang: Gang) -> None:
         """Read this rank's graph, before the gang's process group forms: the load overlaps the other
         ranks' start. Rank 0 of identical ranks then starts compiling (workers/gang_early.py) and
         answers once that compile has the host check's answer, so that ranks started after this
-        call (scheduler: `GangRunner`) take no CPU from its load and probe. Whether it compiles early."""
+        call (scheduler: `GangRunner`) take no CPU from its load and probe."""
         self.tmp = tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang"))
         self.own = read_own_graph(gang, self.rank, self.store, self.sandbox, Path(self.tmp.name))
         if compiles_early(gang, self.rank, self.own):
             self.early = EarlyCompile(gang.ranks[0], self.store, self.sandbox)
             concurrent.futures.wait([host_check.start(gang.ranks[0].target)])
-        return self.early is not None
 
     def run(self, gang: Gang, address: tuple[str, int] | None) -> UnitResult:
         timeout = gang.collective_timeout_s
