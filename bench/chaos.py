@@ -46,7 +46,7 @@ def export_graphs(out: Path, n: int) -> list[str]:
 
 
 def farm_dirs() -> set[Path]:
-    from workers.tempdirs import _OWNED
+    from workers.sandbox.tempdirs import _OWNED
 
     return {p for p in Path(tempfile.gettempdir()).glob("farm-*") if _OWNED.match(p.name) and p.is_dir()}
 

@@ -6,7 +6,7 @@ already up), each in a fresh process with a fresh store and a fresh Inductor cac
 precompiled header in /tmp is shared), and each pays for its actors' start: one worker for the
 single compile; four rank actors, their process group, the compiler collectives, one compile and
 three lookups for the gang. Rank 0 of the gang compiles while the other three ranks start
-(workers/gang_early.py); the bench checks that it did, and prints each side's lowering time,
+(workers/gang/early.py); the bench checks that it did, and prints each side's lowering time,
 which the three ranks' start slows on 2 cores.
 
     .venv/bin/python bench/gang.py [--model mlp] [--ranks 4] [--pairs 3]
@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _side(args: argparse.Namespace) -> None:
     """One side, in this fresh process: prints {"seconds": ..., "statuses": [...]} as JSON."""
     sys.path.insert(0, str(ROOT))
-    from scheduler.spec import parse_job
     from scheduler.jobs import execute
     from scheduler.ray_pool import PoolConfig, RayRunner
     from scheduler.ray_session import ray_session
+    from scheduler.spec import parse_job
     from storage import store_from_uri
 
     spec = json.loads(args.job)

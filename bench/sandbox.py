@@ -1,7 +1,7 @@
 """What the sandbox costs per unit: the zoo job through the real sandbox (a warm child
 process) against the same steps run in this process, in one run.
 
-Both sides run the same code (workers/steps.py, archive checks included); only the process
+Both sides run the same code (workers/sandbox/steps.py, archive checks included); only the process
 boundary differs. The in-process side exists only here: the farm never loads a graph outside
 its sandbox. Each side gets a fresh store and a fresh Inductor cache for its cold run, then
 runs the job again for the warm run (all hits). The precompiled header in /tmp is built first
@@ -30,14 +30,14 @@ class InProcess:
     """The Sandbox interface, running steps in this process (for comparison only)."""
 
     def __init__(self) -> None:
-        from workers.sandbox import SandboxCost
-        from workers.steps import Steps
+        from workers.sandbox.process import SandboxCost
+        from workers.sandbox.steps import Steps
 
         self.steps, self.cost = Steps(), SandboxCost()
 
     def call(self, step: str, cwd: Path, limits: Any, deadline: float, **kwargs: Any) -> dict[str, Any]:
-        from workers.sandbox import SandboxFailed
-        from workers.steps import USER_ERRORS
+        from workers.sandbox.process import SandboxFailed
+        from workers.sandbox.steps import USER_ERRORS
 
         try:
             return {**getattr(self.steps, step)(**kwargs), "output": ""}
@@ -76,9 +76,9 @@ def _side(name: str, job, root: Path, make_sandbox, costs: list) -> dict[str, fl
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="farm-sandbox-bench-"))
-    from scheduler.spec import parse_job
     from farm.zoo import export_zoo
-    from workers.sandbox import Sandbox
+    from scheduler.spec import parse_job
+    from workers.sandbox.process import Sandbox
 
     graphs = [str(p) for p in export_zoo(root / "zoo")]
     job = parse_job({"name": "sandbox", "graphs": graphs, "targets": ["aoti-cpu"]})

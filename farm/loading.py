@@ -15,9 +15,8 @@ def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Pa
     import torch
 
     from workers.backends.aoti_cpu import load_with_weights, program_constants
-    from workers.program import load_program
-
     from workers.backends.executorch import is_pte, load_pte
+    from workers.sandbox.program import load_program
 
     if is_pte(Path(artifact)):
         return load_pte(Path(artifact))
@@ -60,7 +59,7 @@ def _input_names(program: Path, key: str, workdir: Path) -> list[str]:
     """The program's input names, read in a sandbox: a program from the store is hostile input."""
     import time
 
-    from workers.sandbox import Sandbox, SandboxFailed
+    from workers.sandbox.process import Sandbox, SandboxFailed
     from workers.unit import Target, Unit
 
     unit = Unit(graph=key, source=f"the program of {key}", target=Target("aoti-cpu"), program=None)

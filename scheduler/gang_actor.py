@@ -6,7 +6,7 @@ the ranks is most of a gang's overhead: every rank imports torch for its gloo gr
 gang waits on one of them, the rank that reads the graph (`Gang.reader_of`) and compiles it. A
 rank whose archive has the same bytes as a lower rank's only joins the collectives and takes
 that rank's artifact. It is started once rank 0 has read its graph (scheduler/ray_pool.py's
-`GangRunner`; rank 0 of identical ranks is by then compiling, workers/gang_early.py), and runs
+`GangRunner`; rank 0 of identical ranks is by then compiling, workers/gang/early.py), and runs
 at a low priority from its first line, so rank 0's start, load and compile get the cores first.
 """
 from __future__ import annotations
@@ -20,13 +20,15 @@ WAITING_NICE = 19
 
 class GangMember:
     """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
-    long as the gang (its work: scheduler/ray_pool.py's `GangRank`)."""
+    long as the gang (its work: scheduler/ray_actors.py's `GangRank`)."""
 
     def __init__(self, store_uri: str, target: Any, limits: Any, device: str, rank: int, reads: bool,
                  identical_ranks: bool):
         if not reads:
             os.nice(WAITING_NICE)
-        from scheduler.ray_pool import GangRank  # torch, the store, the pipeline: after the nice
+        from scheduler.ray_actors import (
+            GangRank,  # torch, the store, the pipeline: after the nice
+        )
 
         self.rank = GangRank(store_uri, target, limits, device, rank, reads, identical_ranks)
 

@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from scheduler.spec import JobSpec, SpecError, job_to_yaml
 from scheduler.plan import check_specializations, plan, plan_gangs
+from scheduler.spec import JobSpec, SpecError, job_to_yaml
 from scheduler.tuning import finish_tuning
 from storage import Store, StoreError
 from storage.results import write_results
 from storage.stats import JobStats, write_stats
 from workers.pipeline import run_unit
-from workers.sandbox import Sandbox
+from workers.sandbox.process import Sandbox
 from workers.unit import Gang, Unit, UnitResult
 
 log = logging.getLogger(__name__)

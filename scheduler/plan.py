@@ -9,8 +9,8 @@ from pathlib import Path
 
 from scheduler.spec import JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
-from workers import tempdirs
 from workers.backends import LoweringError, resolve
+from workers.sandbox import tempdirs
 from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPolicy
 
 
@@ -128,7 +128,7 @@ def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None
     anything runs, so a job with an impossible specialization is rejected as it loads."""
     import time
 
-    from workers.sandbox import Sandbox, SandboxFailed
+    from workers.sandbox.process import Sandbox, SandboxFailed
 
     asked = [(i, t) for i, t in enumerate(job.targets) if t.autotune and t.autotune.specialize]
     programs = {u.graph: u for u in units if u.program is not None}

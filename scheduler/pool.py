@@ -19,14 +19,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    RayActorError,
+    RayTaskError,
+)
 
 from scheduler.spec import RETRIES
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
 from workers.lookup import lookup_unit
 from workers.pipeline import run_unit
-from workers.sandbox import Sandbox
+from workers.sandbox.process import Sandbox
 from workers.unit import Unit, UnitLimits, UnitResult
 
 POLL_S = 0.5

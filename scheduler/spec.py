@@ -10,10 +10,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from workers.autotune import DEFAULT_SPACE, resolve_space
+from workers.autotune.space import DEFAULT_SPACE, resolve_space
 from workers.unit import BenchPolicy, Unit, UnitLimits, VerifyPolicy
 
 RETRIES = 2  # re-queues of a unit whose worker died, unless the job or the command line says otherwise
@@ -56,7 +64,7 @@ RankDevice = Literal["cpu", "cuda"]
 
 class GangSpec(_Strict):
     """A multi-rank model: one exported program per rank, compiled together as a gang whose
-    ranks agree through compiler collectives (workers/gang.py)."""
+    ranks agree through compiler collectives (workers/gang/rank.py)."""
     name: PlainName = Field(description="the model's name; its ranks' results are <name>.rank<N>")
     ranks: list[str] | str = Field(
         description="one .pt2 per rank, in rank order, or one pattern with {rank} (e.g. tp/rank{rank}.pt2)")

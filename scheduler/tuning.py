@@ -16,8 +16,8 @@ from typing import Any, Iterable
 
 from storage import BlobRef, Store
 from storage.tuning import put_tuning_record, record_path
-from workers.autotune import Measured, decide
-from workers.autotune_share import fingerprint_of
+from workers.autotune.share import fingerprint_of
+from workers.autotune.space import Measured, decide
 from workers.keys import key_of
 from workers.unit import Unit, UnitResult
 

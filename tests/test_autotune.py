@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from scheduler.spec import SpecError, parse_job
 from scheduler.jobs import execute
+from scheduler.spec import SpecError, parse_job
 from storage import store_from_uri
-from workers.autotune import Measured, decide
+from workers.autotune.space import Measured, decide
 
 SPACE = ["single_thread", {"name": "broken", "options": {"no_such_inductor_setting": 1}}]
 

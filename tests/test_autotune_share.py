@@ -60,7 +60,7 @@ def test_seeding_leaves_other_inductor_caches_in_the_local_file_alone(tmp_path, 
     must skip them, not fail the unit (it did on the lent H100)."""
     from torch._inductor.codecache import PersistentCache
 
-    from workers.autotune_share import _entries, _merge_into_local
+    from workers.autotune.share import _entries, _merge_into_local
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     other = {"pad_mm": {"key-a": 1.25, "key-b": True}, "mm": {"[in]": {"highest": {"triton_1": 0.01}}}}
@@ -74,7 +74,7 @@ def test_seeding_leaves_other_inductor_caches_in_the_local_file_alone(tmp_path, 
 _RACER = """
 import json, pathlib, sys, time
 from torch._inductor.codecache import PersistentCache
-from workers.autotune_share import recording_timings
+from workers.autotune.share import recording_timings
 me, rounds, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
 (gate / me).touch()
 while len(list(gate.iterdir())) < 4:  # all four start writing together (unlocked, they lost two thirds)
@@ -94,7 +94,7 @@ def test_workers_on_one_host_keep_each_others_timings_and_publish_only_their_own
     and each reports exactly the timings it measured (those are what it publishes)."""
     import json
 
-    from workers.autotune_share import _entries
+    from workers.autotune.share import _entries
 
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     gate = tmp_path / "gate"

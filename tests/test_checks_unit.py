@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.spec import SpecError, load_job, parse_job
 from farm.zoo import export_model
-from workers.inputs import input_sets
-from workers.verify import verify
+from scheduler.spec import SpecError, load_job, parse_job
+from workers.check.inputs import input_sets
+from workers.check.verify import verify
 
 
 def test_input_sets_cover_other_sizes_inside_each_range():

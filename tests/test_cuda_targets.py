@@ -11,14 +11,14 @@ import pytest
 import ray
 import torch
 
-from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from scheduler.ray_pool import PoolConfig, RayRunner
+from scheduler.spec import parse_job
 from storage import store_from_uri
 from tests.cli import farm
 from workers.backends import LoweringError, cuda, cxx, offered_resources, resolve
 from workers.keys import key_components, key_of
-from workers.sandbox import Sandbox, SandboxFailed
+from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.unit import Target, Unit, UnitLimits
 
 NO_CUDA = torch.version.cuda is None or not torch.cuda.is_available()

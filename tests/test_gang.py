@@ -3,20 +3,20 @@ placement group, agreeing through compiler collectives over a real gloo process 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
-from scheduler.spec import parse_job
 from scheduler.jobs import NoEvents, execute
 from scheduler.ray_pool import PoolConfig, RayRunner
+from scheduler.spec import parse_job
 from storage import store_from_uri
 from storage.tuning import record_path
 from tests.gang_models import replicas, shards
-from workers.autotune_share import fingerprint_of
+from workers.autotune.share import fingerprint_of
 
 pytestmark = pytest.mark.slow
 

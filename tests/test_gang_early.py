@@ -1,4 +1,4 @@
-"""Rank 0 of a gang of identical ranks compiles before its gang has agreed (workers/gang_early.py)
+"""Rank 0 of a gang of identical ranks compiles before its gang has agreed (workers/gang/early.py)
 and publishes only once the gang confirms it: a gang that fails meanwhile publishes nothing.
 (A whole gang that compiles early runs in tests/test_gang.py.)"""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from scheduler.plan import plan
 from scheduler.spec import parse_job
 from storage import Leases, store_from_uri
-from workers.gang_early import EarlyCompile
-from workers.sandbox import Sandbox
+from workers.gang.early import EarlyCompile
+from workers.sandbox.process import Sandbox
 
 
 @pytest.fixture

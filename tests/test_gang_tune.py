@@ -1,8 +1,8 @@
 """The gang's autotune decision from gathered outcomes (the gang itself: tests/test_gang.py)."""
 from __future__ import annotations
 
-from workers.autotune import Measured
-from workers.gang_tune import _slowest
+from workers.autotune.space import Measured
+from workers.gang.tune import _slowest
 
 
 def test_a_lockstep_candidate_takes_the_slowest_rank_and_fails_if_any_rank_failed():

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.spec import parse_job
 from scheduler.plan import plan
+from scheduler.spec import parse_job
 from storage import store_from_uri
 from workers.backends import cuda
 from workers.pipeline import run_unit
-from workers.sandbox import Sandbox
+from workers.sandbox.process import Sandbox
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

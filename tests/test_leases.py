@@ -69,8 +69,8 @@ def test_a_live_holder_is_not_taken_over(store):
 @pytest.mark.slow
 def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path):
     """A worker died holding the lease of a key: the next worker waits one lease period, then compiles."""
-    from scheduler.spec import parse_job
     from scheduler.plan import plan
+    from scheduler.spec import parse_job
     from workers.pipeline import run_unit
 
     store = store_from_uri(str(tmp_path / "store"))
@@ -95,8 +95,8 @@ def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path
 
 
 def test_a_compile_that_fails_lets_its_key_go_and_reports_it(zoo_dir, tmp_path, monkeypatch):
-    from scheduler.spec import parse_job
     from scheduler.plan import plan
+    from scheduler.spec import parse_job
     from workers import pipeline
     from workers.lookup import UnitFailed
 
@@ -116,7 +116,7 @@ def test_a_compile_that_fails_lets_its_key_go_and_reports_it(zoo_dir, tmp_path, 
 def _key_of(unit, store) -> str:
     from workers.backends import resolve
     from workers.keys import key_components, key_of
-    from workers.program import load_program, program_identity
+    from workers.sandbox.program import load_program, program_identity
 
     path = store.fetch(unit.program.digest, store.backend.root / "p.pt2")
     identity = program_identity(load_program(path, "p"))
@@ -126,8 +126,8 @@ def _key_of(unit, store) -> str:
 
 @pytest.mark.slow
 def test_a_lease_release_that_fails_after_publishing_changes_no_outcome(zoo_dir, tmp_path, monkeypatch, caplog):
-    from scheduler.spec import parse_job
     from scheduler.jobs import execute
+    from scheduler.spec import parse_job
     from storage import StoreError
 
     store = store_from_uri(str(tmp_path / "store"))

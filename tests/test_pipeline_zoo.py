@@ -58,7 +58,7 @@ def test_artifact_from_the_store_runs_at_a_new_batch_size(zoo_runs, tmp_path):
 
 
 def test_key_ignores_archive_bytes_but_not_weights(zoo_dir, tmp_path):
-    from workers.program import load_program, program_identity
+    from workers.sandbox.program import load_program, program_identity
 
     ep = export_model("mlp")
     torch.export.save(ep, str(tmp_path / "again.pt2"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ def _farm(*args, env):
 RUN_FETCHED = """
 import sys, torch
 from farm.client import load_compiled
-from workers.program import load_program
+from workers.sandbox.program import load_program
 run = load_compiled(sys.argv[1])
 eager = load_program(sys.argv[2], "encoder_block").module()
 x = torch.randn(3, 11, 32)

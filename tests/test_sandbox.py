@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.spec import parse_job
 from scheduler.jobs import execute
+from scheduler.spec import parse_job
 from storage import store_from_uri
 from storage.store import manifest_path
 from tests import hostile
-from workers.sandbox import Sandbox, child_env
+from workers.sandbox.env import child_env
+from workers.sandbox.process import Sandbox
 from workers.unit import UnitLimits
 
 pytestmark = pytest.mark.slow

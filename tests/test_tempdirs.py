@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from workers import tempdirs
+from workers.sandbox import tempdirs
 
 
 def test_dirs_of_dead_farm_processes_are_swept_and_live_ones_kept(tmp_path):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from farm.client import load_compiled
-from scheduler.spec import parse_job
 from farm.zoo import ZOO
 from scheduler.jobs import execute
+from scheduler.spec import parse_job
 from storage import store_from_uri
-from workers.program import load_program, program_identity
+from workers.sandbox.program import load_program, program_identity
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +79,8 @@ def test_values_mode_keeps_one_artifact_per_checkpoint(two_checkpoints):
 _SERVE = """
 import json, sys, torch
 from torch._dynamo.utils import counters
-from workers.inputs import input_sets
-from workers.program import load_program
+from workers.check.inputs import input_sets
+from workers.sandbox.program import load_program
 bundle, program, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if bundle != "-":
     torch.compiler.load_cache_artifacts(open(bundle, "rb").read())

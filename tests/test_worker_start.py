@@ -14,7 +14,8 @@ PROBE = """
 import sys
 from scheduler.ray_pool import CompileWorker, GangMember  # what a Ray worker imports
 from workers.backends import cxx, resolve
-from workers.sandbox import Sandbox, child_env
+from workers.sandbox.env import child_env
+from workers.sandbox.process import Sandbox
 from workers.unit import Target, UnitLimits
 
 named = {"compiler": cxx.compiler(), "cache": child_env(Path("."))["TORCHINDUCTOR_CACHE_DIR"]}

@@ -5,7 +5,7 @@ program per vector ISA (seconds: a third of a small model's compile). It needs n
 unit that must load its program starts it in a thread meanwhile, and a gang while its ranks agree.
 The thread, and the compilers it starts, run at a low priority: on idle cores only, so a gang
 whose sandboxes all load at once (and may then fail) is not slowed by checks it never uses.
-A gang's rank 0 that compiles while the other ranks start (workers/gang_early.py) needs the
+A gang's rank 0 that compiles while the other ranks start (workers/gang/early.py) needs the
 answer first: it asks `urgent`ly, at the normal priority, ahead of those ranks' start.
 A host that can build a target keeps that answer; a problem is asked again next time (a GPU
 that was busy may be free)."""

@@ -21,11 +21,11 @@ from storage import BlobRef, Store, StoreError
 from storage.identities import get_identity, put_identity
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements
-from workers import tempdirs
-from workers.autotune_share import fingerprint_of
+from workers.autotune.share import fingerprint_of
 from workers.backends import LoweringError, resolve
 from workers.keys import identity_variant, key_components, key_of
-from workers.sandbox import Sandbox, SandboxFailed
+from workers.sandbox import tempdirs
+from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
 
 DIGEST = re.compile(r"[0-9a-f]{64}")

@@ -7,7 +7,7 @@ Each stage returns what it found, made or measured (`Found`, `Lowered`, `Checked
 `Published`); `run_unit` alone turns the outcome, or the failure, into the unit's result.
 
 Everything that touches the graph or the artifact (identify, lower, verify, benchmark) runs
-in the sandbox child (workers/sandbox.py, workers/steps.py); this process only talks to the
+in the sandbox child (workers/sandbox/process.py, workers/sandbox/steps.py); this process only talks to the
 store, holds the lease and decides. It trusts nothing the child says beyond numbers, digests
 and a path inside the unit's temp dir.
 
@@ -32,16 +32,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
+from storage import (
+    BlobRef,
+    CorruptBlob,
+    Lease,
+    LeaseInfo,
+    Leases,
+    Store,
+    StoreError,
+    UnsafeStore,
+)
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
-from workers import host_check, tempdirs
-from workers.autotune_share import SharedAutotune, autotunes, entries_from, fingerprint_of
+from workers import host_check
+from workers.autotune.share import (
+    SharedAutotune,
+    autotunes,
+    entries_from,
+    fingerprint_of,
+)
 from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
-from workers.sandbox import Sandbox, SandboxFailed
-from workers.unit import COMPILE_PHASES, Unit, UnitResult
+from workers.sandbox import tempdirs
+from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.trace import TRACE_DIR, packed_trace
+from workers.unit import COMPILE_PHASES, Unit, UnitResult
 from workers.unitlog import UnitLog
 
 MAX_FACTS = 64 << 10
@@ -153,7 +168,7 @@ Body = Callable[[UnitContext], Outcome]
 def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: Path | None = None,
              body: Body | None = None) -> UnitResult:
     """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds).
-    `body` replaces the stages (a gang's rank verifies in lockstep, workers/gang.py)."""
+    `body` replaces the stages (a gang's rank verifies in lockstep, workers/gang/rank.py)."""
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
     result = UnitResult(graph=unit.graph, target=unit.target.label, status="failed", worker=socket.gethostname())
     phases = Phases()
@@ -225,7 +240,7 @@ def unit_key(ctx: UnitContext, before_loading: Callable[[], Any] = lambda: None)
 def compile_unit(ctx: UnitContext, before_publish: Callable[[], None] | None = None) -> Outcome:
     """Look the unit up; on a miss, lower, verify, benchmark and publish it under its lease.
     `before_publish` may hold the publication back, or refuse it by raising UnitFailed (a gang's
-    rank 0 that compiled before its gang agreed, workers/gang_early.py)."""
+    rank 0 that compiled before its gang agreed, workers/gang/early.py)."""
     found = unit_key(ctx, before_loading=lambda: host_check.start(ctx.unit.target))
     if found.manifest is not None:
         ctx.log.note("hit: a manifest exists, nothing to compile")
@@ -429,7 +444,7 @@ def _manifest(ctx: UnitContext, ready: Compiled, blobs: dict[str, BlobRef | None
         "artifact": ready.lowered.facts,
         "weights": {"mode": unit.target.weights, "built_with": ready.built_with},
         "verify": {"atol": unit.verify.atol, "rtol": unit.verify.rtol, "inputs": ready.checked.inputs},
-        # a gang's agreement this rank's program was re-exported with (workers/gang.py)
+        # a gang's agreement this rank's program was re-exported with (workers/gang/rank.py)
         "agreed_shapes": {"dims": [list(d) for d in unit.agreed_dims], "sizes": dict(unit.agreed_sizes)} if unit.agreed else None,
         "metrics": dict(metrics),
         "device": ready.checked.device,  # where the metrics were measured

@@ -74,7 +74,7 @@ class BenchPolicy:
 
 @dataclass(frozen=True)
 class UnitLimits:
-    """What one unit may use in its sandbox (workers/sandbox.py). The job spec's `limits` defaults come from here."""
+    """What one unit may use in its sandbox (workers/sandbox/process.py). The job spec's `limits` defaults come from here."""
     timeout_s: float = 1800.0  # wall clock, for the whole unit
     memory_gb: float = 16.0  # address space of the sandbox and of the compilers it runs
     file_gb: float = 8.0  # largest file the sandbox may write
@@ -118,7 +118,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class Gang:
-    """A multi-rank model's ranks for one target, compiled together (workers/gang.py)."""
+    """A multi-rank model's ranks for one target, compiled together (workers/gang/rank.py)."""
     name: str
     ranks: tuple[Unit, ...]  # rank r's unit at index r
     device: str = "cpu"  # cpu: the ranks' artifacts talk over gloo; cuda: over NCCL

@@ -5,7 +5,7 @@ Lowering runs `run_decompositions()` with torch's default (core ATen) table. An 
 outside the core opset (a custom op, or one torch has no decomposition for) fails the unit with
 its name: the artifact promises core ATen only. Verification runs the decomposed program
 against the original, and the artifact is loaded back the way the farm loads every program
-from outside (workers/program.py: checked archive, weights-only unpickling).
+from outside (workers/sandbox/program.py: checked archive, weights-only unpickling).
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ class CoreAten:
         return out
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
-        from workers.program import ProgramError, load_program
+        from workers.sandbox.program import ProgramError, load_program
 
         try:
             core = load_program(artifact, f"core-aten artifact {artifact.name}")
@@ -100,7 +100,7 @@ class CoreAten:
         return core.module()
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
-        from workers.program import load_program
+        from workers.sandbox.program import load_program
 
         if self._lowered and self._lowered[0] == str(artifact):  # describe follows lower: no second load
             ops = self._lowered[1]

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from workers import tempdirs
+from workers.sandbox import tempdirs
+from workers.sandbox.env import child_env
 
 ARCH = re.compile(r"sm_\d{2,3}")  # sm_80, sm_90, sm_100: what Gpu.arch says
 ANY_GPU = "farm_cuda"  # offered by every GPU node: targets with no `:sm_XX` go to any of them
@@ -95,8 +96,6 @@ def arch_resource(arch: str | None) -> str:
 
 def probe(timeout_s: float = PROBE_TIMEOUT_S) -> list[Gpu]:
     """Ask a fresh child for the visible GPUs, after running a kernel on each; raise GpuUnavailable."""
-    from workers.sandbox import child_env
-
     with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gpu-probe")) as home:
         try:
             done = subprocess.run([sys.executable, "-c", PROBE], env=child_env(Path(home)), cwd=home,

@@ -59,7 +59,9 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         from torch.compiler._cache import CacheArtifactManager
 
-        from workers.inputs import input_sets  # sympy: imported where programs are lowered, not where keys are named
+        from workers.check.inputs import (
+            input_sets,  # sympy: imported where programs are lowered, not where keys are named
+        )
 
         torch._dynamo.reset()  # a long-lived worker: forget what earlier units compiled
         CacheArtifactManager.clear()  # …and what they recorded, so the bundle holds this unit only

@@ -1,5 +1,5 @@
 """A child process for everything that touches untrusted input: loading a graph, lowering it,
-loading, verifying and benchmarking an artifact (workers/steps.py runs there).
+loading, verifying and benchmarking an artifact (workers/sandbox/steps.py runs there).
 
 The child holds no credentials (an allow-listed environment: no AWS, Ray or farm secrets, an
 empty HOME), works in the unit's temp dir, and runs under limits on memory, file size and CPU
@@ -21,11 +21,9 @@ request that we read back even after a crash.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pickle
-import re
 import select
 import shutil
 import signal
@@ -38,18 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from workers import tempdirs
+from workers.sandbox import tempdirs
+from workers.sandbox.env import child_env
 from workers.unit import UnitLimits
 
-PROJECT = Path(__file__).resolve().parents[1]
 MAX_REPLY = 64 << 20
 STARTUP_S = 300.0  # a child that has not imported torch by then is broken
 HEADER = struct.Struct("!Q")
-# Passed to the child; everything else in the environment is dropped.
-ENV_ALLOWED = re.compile(r"(PATH|LANG|LANGUAGE|TZ|TERM|USER|LOGNAME|PYTHONPATH|PYTHONHASHSEED|VIRTUAL_ENV|LD_LIBRARY_PATH|"
-                         r"CC|CXX|CUDA_HOME|CUDA_PATH|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|MKL_NUM_THREADS|"
-                         r"LC_\w+|KMP_\w+|TORCH_\w+|TORCHINDUCTOR_\w+|TRITON_\w+|NVIDIA_\w+)")
-ENV_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY|AWS|RAY_", re.IGNORECASE)
 SIGNALS = {signal.SIGXCPU: "the CPU time limit", signal.SIGXFSZ: "the file size limit",
            signal.SIGKILL: "SIGKILL (killed: out of memory, or by an operator)"}
 
@@ -63,37 +56,11 @@ class SandboxFailed(Exception):
         self.retryable = retryable
 
 
-def child_env(home: Path) -> dict[str, str]:
-    """What of this process's environment a child gets (no secrets, nothing Ray or AWS), and its own HOME."""
-    env = {k: v for k, v in os.environ.items() if ENV_ALLOWED.fullmatch(k) and not ENV_SECRET.search(k)}
-    env.update(HOME=str(home), PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
-    # Inductor's caches (and its precompiled header) stay where the worker's are, so a warm
-    # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
-    if "TORCHINDUCTOR_CACHE_DIR" not in env:
-        env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
-    return env
-
-
-def _inductor_cache_dir() -> str:
-    """Inductor's cache directory, named by Inductor's own torch-free module, loaded from its file:
-    importing it by name imports Inductor's package and with it Dynamo, over a second of CPU in
-    every worker before its sandbox could start."""
-    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
-        return sys.modules["torch._inductor.runtime.cache_dir_utils"].cache_dir()
-    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
-    spec = importlib.util.spec_from_file_location("_farm_inductor_cache_dir_utils",
-                                                  torch_dir / "_inductor" / "runtime" / "cache_dir_utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cache_dir()
-
-
 @dataclass
 class SandboxCost:
     """What the sandbox costs on top of the work itself (bench/sandbox.py reports it)."""
     start_s: float = 0.0  # starting children (torch's import): once per worker, and after a failed unit
-    warm_up_s: float = 0.0  # of which importing what the first step would import anyway (workers/steps.py)
+    warm_up_s: float = 0.0  # of which importing what the first step would import anyway (workers/sandbox/steps.py)
     calls: int = 0
     overhead_s: float = 0.0  # round trips minus the time the child spent in the steps
 
@@ -104,7 +71,7 @@ class SandboxCost:
 
 
 class Sandbox:
-    """A warm child process that runs steps (workers/steps.py) for one unit at a time."""
+    """A warm child process that runs steps (workers/sandbox/steps.py) for one unit at a time."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
@@ -185,7 +152,7 @@ class Sandbox:
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.sandbox_child", str(write), json.dumps(asdict(limits)), device],
+            [sys.executable, "-m", "workers.sandbox.child", str(write), json.dumps(asdict(limits)), device],
             stdin=subprocess.PIPE, stdout=startup, stderr=startup, cwd=home,
             env=env, pass_fds=(write,), start_new_session=True, close_fds=True)
         os.close(write)

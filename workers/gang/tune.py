@@ -5,7 +5,7 @@ Graphs without collectives split the candidates across the ranks: each compiles,
 times its share on its own graph. A graph with collectives runs on every rank or on none, so
 each candidate is compiled and timed by the whole gang, one after another; it is usable only if
 it verified on every rank, and its latency is the slowest rank's. The decision is the one a
-single unit's candidates get (workers.autotune.decide: a candidate must beat `default` by more
+single unit's candidates get (workers.autotune.space.decide: a candidate must beat `default` by more
 than the noise), made from the same gathered data on every rank, so every rank takes the same
 winner.
 """
@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 from storage import Store
 from storage.tuning import put_tuning_record, record_path
-from workers.autotune import Decision, Measured, decide
-from workers.autotune_share import fingerprint_of
+from workers.autotune.share import fingerprint_of
+from workers.autotune.space import Decision, Measured, decide
 from workers.pipeline import run_unit
-from workers.sandbox import Sandbox
+from workers.sandbox.process import Sandbox
 from workers.unit import Gang, Unit, UnitResult
 
 log = logging.getLogger(__name__)

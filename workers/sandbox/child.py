@@ -1,8 +1,8 @@
-"""The sandbox child's main loop (see workers/sandbox.py): set our own limits before touching
+"""The sandbox child's main loop (see workers/sandbox/process.py): set our own limits before touching
 any input, then run one step per request, each in its unit's temp dir with its output in
 that request's log file, and answer in JSON.
 
-    python -m workers.sandbox_child REPLY_FD LIMITS_JSON DEVICE
+    python -m workers.sandbox.child REPLY_FD LIMITS_JSON DEVICE
 """
 from __future__ import annotations
 
@@ -96,7 +96,11 @@ def main() -> None:
     requests = sys.stdin.buffer
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    from workers.steps import USER_ERRORS, Steps, warm_up  # torch's import, paid once per child
+    from workers.sandbox.steps import (  # torch's import, paid once per child
+        USER_ERRORS,
+        Steps,
+        warm_up,
+    )
 
     began = time.perf_counter()
     warm_up()

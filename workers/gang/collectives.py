@@ -112,7 +112,7 @@ DimRanges = dict[str, tuple[int, int | None]]  # `<input>.<dim>` → (lowest, hi
 def dim_ranges(ep: ExportedProgram) -> tuple[DimRanges, dict[str, int]]:
     """The program's dynamic dimensions with their ranges, and every user input dimension's size
     in its example inputs (what a rank that traced a dimension static was traced at)."""
-    from workers.inputs import dynamic_dims
+    from workers.check.inputs import dynamic_dims
 
     ranges = {where: (lo, hi) for where, (_, lo, hi) in dynamic_dims(ep).items()}
     args, kwargs = ep.example_inputs

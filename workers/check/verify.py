@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from workers.inputs import InputSet
+from workers.check.inputs import InputSet
 
 
 @dataclass
@@ -48,7 +48,7 @@ def verify(eager: Callable, compiled: Callable, inputs: list[InputSet], atol: fl
     report = VerifyReport(ok=True, max_abs_err=0.0, max_rel_err=0.0)
     with torch.inference_mode():
         # Every eager run first, then every compiled one (in a gang, the eager runs' collectives
-        # also go over a group of their own: workers/gang_steps.py, GangSteps.eager_reference).
+        # also go over a group of their own: workers/gang/steps.py, GangSteps.eager_reference).
         expected = [eager(*s.args, **s.kwargs) for s in inputs]
         for s, want in zip(inputs, expected):
             try:

@@ -1,4 +1,4 @@
-"""The sandbox steps of a gang (workers/gang.py): what a rank's program says about its
+"""The sandbox steps of a gang (workers/gang/rank.py): what a rank's program says about its
 collectives and shapes, and the process group its artifact runs in to be verified.
 
 The sandbox children of a gang's ranks form their own process group (gloo on CPU, NCCL on
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.export import ExportedProgram
 
-from workers.collectives import collective_ops, dim_ranges, regroup
-from workers.inputs import input_sets
-from workers.rendezvous import open_store
+from workers.check.inputs import input_sets
+from workers.gang.collectives import collective_ops, dim_ranges, regroup
+from workers.gang.rendezvous import open_store
 from workers.unit import Unit
 
 
@@ -37,7 +37,7 @@ def gang_facts(ep: ExportedProgram) -> dict[str, Any]:
 
 
 class GangSteps:
-    """Mixed into workers.steps.Steps."""
+    """Mixed into workers.sandbox.steps.Steps."""
     _gang_store: Any = None
     _reference_group: Any = None
 

@@ -7,7 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 
-from workers.inputs import _like, dynamic_dims
+from workers.check.inputs import _like, dynamic_dims
 
 
 def specialization_problems(ep: ExportedProgram, where: str, sizes: list[int]) -> list[str]:

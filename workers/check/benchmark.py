@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from workers.inputs import InputSet
+from workers.check.inputs import InputSet
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch.export import ExportedProgram
 
-from workers.archive import ArchiveLimits, HostileArchive, check_archive
+from workers.sandbox.archive import ArchiveLimits, HostileArchive, check_archive
 
 
 class ProgramError(Exception):
@@ -33,7 +33,7 @@ def import_modules(modules: list[str]) -> None:
 def load_program(path: Path, label: str, modules: list[str] = (), limits: ArchiveLimits = ArchiveLimits()) -> ExportedProgram:
     """Load a torch.export.save archive, turning torch's generic errors into actionable ones.
 
-    The archive is hostile until checked (workers/archive.py); torch's loader then runs with
+    The archive is hostile until checked (workers/sandbox/archive.py); torch's loader then runs with
     every `torch.load` forced to `weights_only=True`, so even a member the check missed cannot
     reach the full unpickler, and the graph may only call operators."""
     from torch._export.verifier import SpecViolationError

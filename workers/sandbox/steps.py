@@ -1,5 +1,5 @@
 """The steps of a unit that touch untrusted input. They run only in the sandbox child
-(workers/sandbox_child.py), never in a process that holds credentials, and answer with plain
+(workers/sandbox/child.py), never in a process that holds credentials, and answer with plain
 JSON-able values: the worker trusts nothing the child says beyond numbers and strings.
 
 The child keeps the program it loaded between the steps of one unit (identify → lower →
@@ -15,17 +15,23 @@ from typing import Any, Iterator
 import torch
 from torch.export import ExportedProgram
 
-from workers.archive import ArchiveLimits, GiB, HostileArchive, check_archive
-from workers.autotune_share import benchmarked, recording_timings
+from workers.autotune.share import benchmarked, recording_timings
+from workers.autotune.specialize import reexport, specialization_problems, specialize
 from workers.backends import LoweringError, resolve
-from workers.benchmark import measure
-from workers.inputs import dynamic_dims, input_sets, inputs_at
-from workers.program import ProgramError, first_line, load_program, program_identity, weights_digest
-from workers.gang_steps import GangSteps, gang_facts
-from workers.specialize import reexport, specialization_problems, specialize
+from workers.check.benchmark import measure
+from workers.check.inputs import dynamic_dims, input_sets, inputs_at
+from workers.check.verify import verify
+from workers.gang.steps import GangSteps, gang_facts
+from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
+from workers.sandbox.program import (
+    ProgramError,
+    first_line,
+    load_program,
+    program_identity,
+    weights_digest,
+)
 from workers.trace import torch_trace
 from workers.unit import Unit
-from workers.verify import verify
 
 
 class StepFailed(Exception):
@@ -107,8 +113,8 @@ class Steps(GangSteps):
         return self._prepared
 
     def identify(self, unit: Unit, program: str, facts: bool = False) -> dict[str, Any]:
-        """Load the graph (checked first, see workers/archive.py) and name its content; with
-        `facts`, also say what a gang's compiler collectives compare (workers/gang_steps.py).
+        """Load the graph (checked first, see workers/sandbox/archive.py) and name its content; with
+        `facts`, also say what a gang's compiler collectives compare (workers/gang/steps.py).
 
         The program still loaded for this very unit (the same archive digest, fetched and
         checked by the parent, and the same agreement, specialization and weights mode), with

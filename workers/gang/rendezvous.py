@@ -1,5 +1,5 @@
-"""The store a gang's processes meet through (c10d TCPStore): the gang actors' (workers/gang.py)
-and their sandboxes' (workers/gang_steps.py). Its own module, so a gang actor imports neither
+"""The store a gang's processes meet through (c10d TCPStore): the gang actors' (workers/gang/rank.py)
+and their sandboxes' (workers/gang/steps.py). Its own module, so a gang actor imports neither
 the sandbox's steps nor what they need (sympy)."""
 from __future__ import annotations
 

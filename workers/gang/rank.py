@@ -11,7 +11,7 @@ the same order, so each collective meets all ranks:
    gang's time); the ranks all-gather what their graphs say: errors, the functional
    collectives in order, dynamic dimensions with their ranges, the example sizes, the sizes a
    torch.compile lowering observes. Every rank then runs the same
-   comparisons (workers/collectives.py) on the same data, so all reach the same verdict: a
+   comparisons (workers/gang/collectives.py) on the same data, so all reach the same verdict: a
    rank that cannot take part, collectives that diverge, or ranges that conflict fail the gang
    before anything compiles, with the report naming ranks.
 2. *agreement*: ranks whose dynamic dimensions or example sizes differ from the agreed ones
@@ -19,7 +19,7 @@ the same order, so each collective meets all ranks:
 3. *fingerprints*: the ranks all-gather their program identities; ranks with identical programs
    compile once (the lowest such rank, the *leader*), the others take its published artifact.
    Where every rank's archive has the same bytes, rank 0 starts that compile before the group
-   forms, and publishes only once these collectives have confirmed it (workers/gang_early.py).
+   forms, and publishes only once these collectives have confirmed it (workers/gang/early.py).
 4. Graphs without collectives compile and verify on their leaders as any unit does. Graphs with
    collectives are verified in lockstep: every rank runs its artifact in its sandbox, whose
    children form their own process group, against its program run eagerly over the same group;
@@ -46,14 +46,34 @@ from storage import Lease, Store, StoreError
 from storage.identities import put_identity
 from workers import host_check
 from workers.backends import LoweringError
-from workers.collectives import CollectiveOp, first_divergence, reconcile_dims
-from workers.gang_early import EarlyCompile
-from workers.gang_tune import GangTuning, NoCandidate, tune
+from workers.gang.collectives import CollectiveOp, first_divergence, reconcile_dims
+from workers.gang.early import EarlyCompile
+from workers.gang.tune import GangTuning, NoCandidate, tune
 from workers.keys import identity_variant
-from workers.lookup import Found, UnitFailed, find, identify_in, lookup_unit, parse_identity
-from workers.pipeline import (Checked, Compiled, Lowered, Outcome, UnitContext, check_artifact, claim_key, identify_program,
-                              lower_unit, publish, run_unit, take_hit, unit_key)
-from workers.sandbox import Sandbox, SandboxFailed
+from workers.lookup import (
+    Found,
+    UnitFailed,
+    find,
+    identify_in,
+    lookup_unit,
+    parse_identity,
+)
+from workers.pipeline import (
+    Checked,
+    Compiled,
+    Lowered,
+    Outcome,
+    UnitContext,
+    check_artifact,
+    claim_key,
+    identify_program,
+    lower_unit,
+    publish,
+    run_unit,
+    take_hit,
+    unit_key,
+)
+from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.unit import Gang, Unit, UnitResult
 
 log = logging.getLogger(__name__)
@@ -135,7 +155,7 @@ def run_rank(comm: GangComm, gang: Gang, own: dict[str, Any], store: Store, sand
              workdir: Path, early: EarlyCompile | None = None) -> UnitResult:
     """This rank's part of compiling the gang, once it has read its graph (`read_own_graph`);
     every rank of the gang calls it at once. `early`: rank 0's compile, started before the
-    group formed (workers/gang_early.py), which this confirms or stops."""
+    group formed (workers/gang/early.py), which this confirms or stops."""
     rank = comm.rank
     unit = gang.ranks[rank]
     try:

@@ -20,12 +20,12 @@ from typing import Any
 from storage import Store
 from workers.lookup import UnitFailed
 from workers.pipeline import compile_unit, run_unit
-from workers.sandbox import Sandbox
+from workers.sandbox.process import Sandbox
 from workers.unit import Gang, Unit, UnitResult
 
 
 def compiles_early(gang: Gang, rank: int, own: dict[str, Any]) -> bool:
-    """Whether `rank`, having read its graph (`own`, workers/gang.py's read_own_graph), may
+    """Whether `rank`, having read its graph (`own`, workers/gang/rank.py's read_own_graph), may
     compile before its gang agrees."""
     facts = own.get("facts")
     return (rank == 0 and gang.identical and not gang.candidates

@@ -1,0 +1,45 @@
+"""The environment a sandbox child gets: an allow-list of this process's variables, no secrets
+(nothing AWS, Ray or farm-signing), an empty HOME of its own, and Inductor's cache where the
+worker's is. Its own module because the GPU check (workers/backends/cuda.py) starts children
+too, and the sandbox asks that check about its GPU."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+# Passed to the child; everything else in the environment is dropped.
+ENV_ALLOWED = re.compile(r"(PATH|LANG|LANGUAGE|TZ|TERM|USER|LOGNAME|PYTHONPATH|PYTHONHASHSEED|VIRTUAL_ENV|LD_LIBRARY_PATH|"
+                         r"CC|CXX|CUDA_HOME|CUDA_PATH|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|MKL_NUM_THREADS|"
+                         r"LC_\w+|KMP_\w+|TORCH_\w+|TORCHINDUCTOR_\w+|TRITON_\w+|NVIDIA_\w+)")
+ENV_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY|AWS|RAY_", re.IGNORECASE)
+
+
+def child_env(home: Path) -> dict[str, str]:
+    """What of this process's environment a child gets (no secrets, nothing Ray or AWS), and its own HOME."""
+    env = {k: v for k, v in os.environ.items() if ENV_ALLOWED.fullmatch(k) and not ENV_SECRET.search(k)}
+    env.update(HOME=str(home), PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
+    # Inductor's caches (and its precompiled header) stay where the worker's are, so a warm
+    # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
+    return env
+
+
+def _inductor_cache_dir() -> str:
+    """Inductor's cache directory, named by Inductor's own torch-free module, loaded from its file:
+    importing it by name imports Inductor's package and with it Dynamo, over a second of CPU in
+    every worker before its sandbox could start."""
+    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
+        return sys.modules["torch._inductor.runtime.cache_dir_utils"].cache_dir()
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    spec = importlib.util.spec_from_file_location("_farm_inductor_cache_dir_utils",
+                                                  torch_dir / "_inductor" / "runtime" / "cache_dir_utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cache_dir()
