@@ -29,6 +29,7 @@ from ray.exceptions import (
 from scheduler.spec import RETRIES
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
+from workers.errors import summary
 from workers.lookup import lookup_unit
 from workers.pipeline import run_unit
 from workers.sandbox.process import Sandbox
@@ -271,7 +272,7 @@ def _worker_error(e: Exception) -> str:
     or Ray's own account of its death."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)]
-    return (raised or lines or [type(e).__name__])[-1][:500]
+    return summary((raised or lines or [type(e).__name__])[-1])
 
 
 def _failed(unit: Unit, message: str, retryable: bool = False) -> UnitResult:

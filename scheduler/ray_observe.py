@@ -84,8 +84,8 @@ class RayJobInfo:
     """The farm's lines in a Ray Job's record (metadata and status message)."""
 
     def __init__(self, submission: str):
-        from ray.dashboard.modules.job.common import JobInfoStorageClient
         from ray._private.ray_constants import KV_NAMESPACE_JOB
+        from ray.dashboard.modules.job.common import JobInfoStorageClient
 
         self.key = JobInfoStorageClient.JOB_DATA_KEY.format(job_id=submission)
         self.namespace = KV_NAMESPACE_JOB

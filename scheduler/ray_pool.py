@@ -28,6 +28,7 @@ from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _fail
 from scheduler.ray_actors import CompileWorker
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
+from workers.errors import summary
 from workers.sandbox import tempdirs
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
@@ -227,7 +228,7 @@ def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: 
             results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
         except RayTaskError as e:  # what the task raised, its traceback kept by Ray
             cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
-            results.append(TaskFailed(f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:500]}"))
+            results.append(TaskFailed(f"{type(cause).__name__}: {summary(cause)}"))
         except (RayActorError, GetTimeoutError) as e:
             ray.cancel(ref, force=True)
             results.append(TaskFailed(f"{type(e).__name__}: the task died or ran past {timeout_s:g}s"))

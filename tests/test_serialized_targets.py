@@ -89,6 +89,36 @@ def test_the_report_shows_the_targets_side_by_side(night):
     assert grid.count("<tr>") == 1 + len(SMOKE) and grid.count("compiled ·") == len(SMOKE) * len(TARGETS)
 
 
+class TwoDynamicDims(torch.nn.Module):
+    """An unsqueeze whose output has two dynamic dimensions: XNNPACK's partitioner takes it, its
+    preprocessing refuses it ("XNNPACK reshape only supports 1 dynamic dimension")."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(x).unsqueeze(-1) * torch.ones(4))
+
+
+def test_a_node_the_xnnpack_delegate_refuses_runs_on_portable_kernels(tmp_path):
+    from torch.export import Dim
+
+    program = tmp_path / "two_dims.pt2"
+    dims = {"x": {0: Dim("batch", min=1, max=64), 1: Dim("seq", min=2, max=128)}}
+    torch.export.save(torch.export.export(TwoDynamicDims(), (torch.randn(3, 5),), dynamic_shapes=dims), str(program))
+    store = store_from_uri(str(tmp_path / "store"))
+    job = parse_job({"name": "refused", "graphs": [str(program)], "targets": ["executorch:xnnpack"]})
+    (result,) = execute(job, store).results
+    assert result.status == "compiled", result.error
+    assert result.metrics["max_abs_err"] < 1e-4  # verified against eager, at several sizes
+    facts = store.get_manifest(result.key)["artifact"]
+    assert facts["delegates"] == ["XnnpackBackend"] and "aten::unsqueeze_copy.out" in facts["portable_ops"], facts
+    (refused,) = facts["delegate_refused"]
+    assert refused["op"] == "aten.unsqueeze_copy.default", refused
+    assert refused["reason"] == "XNNPACK reshape only supports 1 dynamic dimension.", refused  # whole, not cut
+
+
 def test_an_op_no_runtime_knows_fails_with_its_name(tmp_path):
     from tests.fixtures.custom_ops import UsesMystery
 

@@ -20,7 +20,13 @@ import torch
 from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa, cuda, cxx
-from workers.backends.aoti_cpu import WEIGHTS_OUT_OF_CODE, compile_and_package, load_package, package_metadata, weights_facts
+from workers.backends.aoti_cpu import (
+    WEIGHTS_OUT_OF_CODE,
+    compile_and_package,
+    load_package,
+    package_metadata,
+    weights_facts,
+)
 from workers.backends.base import LoweringError, Placement
 from workers.unit import Target
 

@@ -3,7 +3,9 @@
 The exported program is lowered to the Edge dialect and emitted as a .pte, with no delegate
 (every op runs on ExecuTorch's portable kernels) or with the XNNPACK delegate taking the ops it
 supports; the ops it cannot take stay in the program and run on portable kernels, and `facts`
-lists both, so nothing is dropped unseen. An op no ExecuTorch kernel implements fails the
+lists both, so nothing is dropped unseen. A node the partitioner offers and XNNPACK's
+preprocessing then refuses (it checks more than the partitioner does) is kept off the delegate
+and the program lowered again: `facts["delegate_refused"]` names each one and why. An op no ExecuTorch kernel implements fails the
 lowering with a message that names it.
 
 Verification and benchmarks run the .pte with ExecuTorch's Python runtime, in the sandbox like
@@ -18,7 +20,10 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import json
 import re
+import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,12 +33,14 @@ from torch.export import ExportedProgram
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError, Placement
+from workers.errors import summary
 from workers.unit import Target
 
 RESOURCE = "farm_executorch"
 DELEGATES = ("portable", "xnnpack")
 # Options a target may set (and an autotune candidate vary): the XNNPACK partitioner's.
 OPTIONS = {"xnnpack": {"per_op_mode": bool}, "portable": {}}
+MAX_REFUSALS = 32  # nodes the delegate may refuse before the lowering gives up (each costs a lowering)
 INSTALL = "pip install -e '.[executorch]' in the farm's environment (./dev installs it)"
 
 
@@ -151,22 +158,30 @@ class ExecuTorch:
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         from executorch.exir import to_edge_transform_and_lower
 
-        partitioners = []
-        if self.delegate(target) == "xnnpack":
-            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-            partitioners.append(XnnpackPartitioner(**target.options_dict))
-        try:
-            program = to_edge_transform_and_lower(ep, partitioner=partitioners).to_executorch()
-        except RuntimeError as e:
-            missing = re.search(r"Missing out variants: (\{.*?\})", str(e))
-            if missing:  # an op neither the delegate nor a portable kernel takes: never dropped, named
-                raise LoweringError(f"ExecuTorch has no kernel for these operators: {missing.group(1)}; register "
-                                    f"an out variant and kernel for them, or compile this graph for another target") from e
-            raise
+        delegate, refused = self.delegate(target), []
+        while True:
+            partitioners = [_xnnpack_partitioner(target.options_dict, refused)] if delegate == "xnnpack" else []
+            try:
+                program = to_edge_transform_and_lower(ep, partitioner=partitioners).to_executorch()
+                break
+            except RuntimeError as e:
+                missing = re.search(r"Missing out variants: (\{.*?\})", str(e))
+                if missing:  # an op neither the delegate nor a portable kernel takes: never dropped, named
+                    raise LoweringError(f"ExecuTorch has no kernel for these operators: {missing.group(1)}; register "
+                                        f"an out variant and kernel for them, or compile this graph for another "
+                                        f"target") from e
+                refusal = _refused_by_delegate(e)
+                if refusal is None or refusal in refused or len(refused) >= MAX_REFUSALS:
+                    raise
+                # The partitioner offered the delegate a node its preprocessing then refused: lower
+                # again with that node left to portable kernels, as for any op it does not take.
+                print(f"the XNNPACK delegate refused node {refusal.node} ({refusal.op}): {refusal.reason} "
+                      f"Lowering again with it on portable kernels.")
+                refused.append(refusal)
         out = workdir / "program.pte"
         with open(out, "wb") as f:
             program.write_to_file(f)
+        _refusals_file(out).write_text(json.dumps([asdict(r) for r in refused]))
         return out
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
@@ -181,6 +196,55 @@ class ExecuTorch:
             "delegate": self.delegate(target),
             "executorch": installed(),
             **pte_contents(artifact),
+            "delegate_refused": _read_refusals(artifact),
             "load": "executorch.runtime.Runtime.get().load_program(PATH).load_method('forward').execute([inputs...]), "
                     "or farm.client.load_compiled(PATH)",
         }
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A node the XNNPACK partitioner accepted and its preprocessing refused (it runs on portable kernels)."""
+    node: str
+    op: str
+    reason: str
+
+
+def _refused_by_delegate(e: RuntimeError) -> Refusal | None:
+    """The node whose serialization raised `e` inside XNNPACK's preprocessing, if that is where it
+    was raised: the node visitors check what the partitioner does not (an unsqueeze whose output
+    has two dynamic dimensions, for one) and raise without naming the node, so it is read from the
+    visitor's frame."""
+    for frame, _ in traceback.walk_tb(e.__traceback__):
+        if frame.f_code.co_name == "define_node" and "/backends/xnnpack/" in frame.f_code.co_filename:
+            node = frame.f_locals.get("node")
+            if isinstance(node, torch.fx.Node):
+                return Refusal(node.name, getattr(node.target, "__name__", str(node.target)), summary(e))
+    return None
+
+
+def _xnnpack_partitioner(options: dict[str, Any], refused: list[Refusal]) -> Any:
+    """XNNPACK's partitioner, taking none of the nodes its preprocessing refused before."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackPartitioner,
+    )
+
+    partitioner = XnnpackPartitioner(**options)
+    names = {r.node for r in refused}
+    if names:
+        for config in partitioner.target_partitioner_configs.values():
+            config.check_constraints = _not_in(names, config.check_constraints)
+    return partitioner
+
+
+def _not_in(names: set[str], check: Callable[..., bool]) -> Callable[..., bool]:
+    return lambda node, ep: node.name not in names and check(node, ep)
+
+
+def _refusals_file(artifact: Path) -> Path:
+    return artifact.with_name(artifact.name + ".refused.json")
+
+
+def _read_refusals(artifact: Path) -> list[dict[str, str]]:
+    path = _refusals_file(artifact)
+    return json.loads(path.read_text()) if path.is_file() else []

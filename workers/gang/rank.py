@@ -46,6 +46,7 @@ from storage import Lease, Store, StoreError
 from storage.identities import put_identity
 from workers import host_check
 from workers.backends import LoweringError
+from workers.errors import summary
 from workers.gang.collectives import CollectiveOp, first_divergence, reconcile_dims
 from workers.gang.early import EarlyCompile
 from workers.gang.tune import GangTuning, NoCandidate, tune
@@ -105,7 +106,7 @@ class GangComm:
             dist.all_gather(gathered, padded)
         except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
             raise GangFailed(f"the compiler collective '{what}' failed on rank {self.rank}: a rank died or did not "
-                             f"answer within {self.timeout_s:g}s ({str(e).strip().splitlines()[0][:300]})") from e
+                             f"answer within {self.timeout_s:g}s ({summary(e)})") from e
         return [json.loads(g[:int(n)].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
     def post(self, key: str, value: Any) -> None:
@@ -118,7 +119,7 @@ class GangComm:
             self.store.wait(keys, dt.timedelta(seconds=timeout_s))
         except RuntimeError as e:  # DistStoreError: the timeout passed, or the store's host died
             raise GangFailed(f"rank {self.rank} waited {timeout_s:g}s for {what}, which never came "
-                             f"({str(e).strip().splitlines()[0][:300]})") from e
+                             f"({summary(e)})") from e
         return [json.loads(self.store.get(k)) for k in keys]
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import traceback
 import warnings
 from typing import Any, BinaryIO
 
+from workers.errors import summary
 from workers.unit import UnitLimits
 
 HEADER_BYTES = 8
@@ -128,7 +129,7 @@ def main() -> None:
                               f"raise limits.memory_gb for bigger models)"}
         except Exception as e:  # a library blew up: still an answer, with the traceback in the unit log
             traceback.print_exc()
-            reply = {"error": f"{request['step']} failed: {type(e).__name__}: {str(e).strip()[:500]}"}
+            reply = {"error": f"{request['step']} failed: {type(e).__name__}: {summary(e)}"}
             if "allocate memory" in str(e):
                 reply["error"] += f" (the sandbox may use {limits.memory_gb:g} GiB: raise limits.memory_gb)"
         sys.stdout.flush()

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch.export import ExportedProgram
 
+from workers.errors import summary
 from workers.sandbox.archive import ArchiveLimits, HostileArchive, check_archive
 
 
@@ -59,18 +60,18 @@ def load_program(path: Path, label: str, modules: list[str] = (), limits: Archiv
                 f"e.g. 'transformers.modeling_outputs') to the job's `modules` list."
             ) from e
         raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
-                           f"{first_line(e)}; export and save it again") from e
+                           f"{summary(e)}; export and save it again") from e
     except RuntimeError as e:
         if "zip archive" in str(e):
             raise ProgramError(f"{label} is a truncated or corrupt .pt2 archive ({str(e).split('.')[0]}); export and save it again") from e
         raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
-                           f"{first_line(e)}; export and save it again") from e
+                           f"{summary(e)}; export and save it again") from e
     except SpecViolationError as e:  # torch's verifier: a node calls something that is not an operator
-        raise ProgramError(f"{label}: member 'models/model.json': {first_line(e)}; the farm only runs graphs of "
+        raise ProgramError(f"{label}: member 'models/model.json': {summary(e)}; the farm only runs graphs of "
                            f"operators") from e
     except (AssertionError, KeyError, TypeError, ValueError, AttributeError) as e:  # torch's deserializer on bad input
         raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
-                           f"{type(e).__name__}: {first_line(e)}; export and save it again") from e
+                           f"{type(e).__name__}: {summary(e)}; export and save it again") from e
     if "model" not in contents.exported_programs:
         found = sorted(contents.exported_programs) or "none"
         raise ProgramError(f"{label} holds no program named 'model' (found: {found}); save it with torch.export.save")
@@ -128,11 +129,6 @@ def foreign_call(ep: ExportedProgram) -> str | None:
                 continue
             return f"node {node.name} calls {getattr(t, '__module__', '?')}.{name or t!r}, which is not an operator"
     return None
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _tensor_digest(t: torch.Tensor) -> str:

@@ -21,11 +21,11 @@ from workers.backends import LoweringError, resolve
 from workers.check.benchmark import measure
 from workers.check.inputs import dynamic_dims, input_sets, inputs_at
 from workers.check.verify import verify
+from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
 from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
 from workers.sandbox.program import (
     ProgramError,
-    first_line,
     load_program,
     program_identity,
     weights_digest,
@@ -135,7 +135,7 @@ class Steps(GangSteps):
                 ep = reexport(ep, {w: (lo, hi) for w, lo, hi in unit.agreed_dims}, dict(unit.agreed_sizes))
             except Exception as e:  # export fails in many ways; the gang reports it for this rank
                 raise StepFailed(f"cannot export the program again with the gang's agreed shapes "
-                                 f"{list(unit.agreed_dims)}: {type(e).__name__}: {first_line(e)}") from e
+                                 f"{list(unit.agreed_dims)}: {type(e).__name__}: {summary(e)}") from e
         identity = program_identity(ep, weights_by_value=unit.target.weights == "values")
         built_with = identity["weights"] if unit.target.weights == "values" else weights_digest(ep, values=True)
         self._loaded = (unit.unit_id, ep)
@@ -161,7 +161,7 @@ class Steps(GangSteps):
         except LoweringError:
             raise
         except Exception as e:  # Inductor and the C++ compiler fail in many ways: a unit error, traceback in the log
-            raise StepFailed(f"lowering failed: {type(e).__name__}: {first_line(e)} (see the unit log)") from e
+            raise StepFailed(f"lowering failed: {type(e).__name__}: {summary(e)} (see the unit log)") from e
         return {"artifact": str(artifact), "facts": backend.describe(artifact, unit.target),
                 "autotune_benchmarked": benchmarked() - before, "autotune_entries": measured}
 
