@@ -39,7 +39,8 @@ def test_a_waiter_gets_the_manifest_instead_of_the_lease(store):
     with holder:
         start = time.monotonic()
         got = Leases(store.backend, "waiter", ttl_s=5).claim("key1", lambda: published.get("manifest"), poll_s=0.1)
-    assert got == {"key": "key1"} and 0.4 < time.monotonic() - start < 4
+    # the manifest, not a lease taken over (claim returns a Lease then), once published (0.5 s), within a bound
+    assert got == {"key": "key1"} and 0.4 < time.monotonic() - start < 60
 
 
 def test_a_silent_holder_is_taken_over_and_learns_it(store):

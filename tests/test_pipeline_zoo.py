@@ -28,11 +28,13 @@ def test_every_zoo_model_compiles_and_verifies(zoo_runs):
         assert "g++" in manifest["components"]["toolchain"]["cxx"]
 
 
-def test_second_run_is_all_hits_and_much_faster(zoo_runs):
-    _, cold, warm, cold_s, warm_s = zoo_runs
+def test_second_run_is_all_hits_and_compiles_nothing(zoo_runs):
+    """How much faster that is, is bench/warm.py's to measure (a speed is no test's to assert)."""
+    _, cold, warm, _, _ = zoo_runs
     assert [r.status for r in warm.results] == ["hit"] * len(SMOKE)
     assert {r.key for r in warm.results} == {r.key for r in cold.results}
-    assert warm_s < 0.25 * cold_s, (warm_s, cold_s)
+    assert not any("lower" in r.timings for r in warm.results), [r.timings for r in warm.results]
+    assert warm.stats.compiled == 0 and warm.stats.compile_s == 0
 
 
 def test_results_table_has_a_row_per_unit_with_phase_timings(zoo_runs):
