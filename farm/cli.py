@@ -26,7 +26,7 @@ def _json(obj) -> None:
 def _run_job(start, store_uri: str) -> None:
     """Run a job through the Python API (`start(events)` → JobHandle) with a live bar, then the
     results table and what to do next."""
-    from farm.console import ProgressEvents, console, failure_logs, out, results_table, stats_line
+    from farm.console import SUMMARY_OVER, ProgressEvents, console, failure_logs, job_tables, out, stats_line
     from scheduler.ray_session import JoinFailed
     from storage import StoreError
 
@@ -36,7 +36,10 @@ def _run_job(start, store_uri: str) -> None:
     except (StoreError, SpecError, JoinFailed) as e:
         raise _fail(str(e)) from e
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
-    out.print(results_table(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"))
+    for table in job_tables(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"):
+        out.print(table)
+    if len(rows) > SUMMARY_OVER:
+        out.print(f"Every unit's row: farm results {outcome.job_id} --store {store_uri}")
     out.print(
         f"{outcome.count('compiled')} compiled, {outcome.count('hit')} hits, {outcome.count('failed')} failed, "
         f"{outcome.retries} retries. "

@@ -3,6 +3,7 @@ because a unit in flight sends file descriptors 1 and 2 into its own log."""
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import time
@@ -80,23 +81,63 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+_STYLE = {"compiled": "green", "hit": "cyan", "failed": "red", "skipped": "yellow"}
+
+
 def results_table(rows: list[dict], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for col, kw in [("graph", {}), ("target", {}), ("status", {}), ("max abs err", {"justify": "right"}),
                     ("eager ms", {"justify": "right"}), ("compiled ms", {"justify": "right"}),
                     ("speedup", {"justify": "right"}), ("time s", {"justify": "right"}), ("key / error", {"overflow": "fold"})]:
         table.add_column(col, **kw)
-    style = {"compiled": "green", "hit": "cyan", "failed": "red", "skipped": "yellow"}
     for r in rows:
         key = r["key"][:16] + "…" if r.get("key") else ""
         if r.get("candidate") and r["target"].endswith("(autotuned)"):
             key = f"winner {r['candidate']} · {key}"
         table.add_row(
-            escape(r["graph"]), escape(r["target"]), f"[{style.get(r['status'], '')}]{r['status']}",
+            escape(r["graph"]), escape(r["target"]), f"[{_STYLE.get(r['status'], '')}]{r['status']}",
             _fmt(r.get("max_abs_err"), ".2g"), _fmt(r.get("eager_ms"), ".3f"), _fmt(r.get("compiled_ms"), ".3f"),
             _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""), _fmt(r.get("total_s"), ".1f"),
             escape(r.get("error") or key),
         )
+    return table
+
+
+SUMMARY_OVER = 40  # a job of more units prints a summary by target and status, and every failed unit
+
+
+def job_tables(rows: list[dict], title: str) -> list[Table]:
+    """What a finished job prints: every row for a small job; for a big one, counts, compile time
+    and geomean speedup by target and status, then each failed unit with its error (`farm results
+    JOB` still prints every row)."""
+    if len(rows) <= SUMMARY_OVER:
+        return [results_table(rows, title)]
+    tables = [summary_table(rows, f"{title} · {len(rows)} units, by target and status")]
+    failed = [r for r in rows if r["status"] == "failed"]
+    if failed:
+        table = Table(title=f"{len(failed)} failed", title_justify="left")
+        for col in ("graph", "target", "error"):
+            table.add_column(col, overflow="fold")
+        for r in failed:
+            table.add_row(escape(r["graph"]), escape(r["target"]), escape(r.get("error") or "-"))
+        tables.append(table)
+    return tables
+
+
+def summary_table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title, title_justify="left", min_width=90)
+    for col, kw in [("target", {}), ("status", {}), ("units", {"justify": "right"}),
+                    ("compile s", {"justify": "right"}), ("geomean speedup", {"justify": "right"})]:
+        table.add_column(col, **kw)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["target"], r["status"]), []).append(r)
+    for (target, status), group in sorted(groups.items()):
+        compile_s = sum(r.get("compile_s") or 0.0 for r in group)
+        speedups = [r["speedup"] for r in group if r.get("speedup")]
+        geomean = math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None
+        table.add_row(escape(target), f"[{_STYLE.get(status, '')}]{status}", str(len(group)),
+                      f"{compile_s:.1f}" if compile_s else "-", _fmt(geomean, ".2f") + ("x" if geomean else ""))
     return table
 
 

@@ -96,3 +96,32 @@ def test_farm_results_shows_the_stats(zoo_runs):
     store, _, warm, _, _ = zoo_runs
     out = farm("results", warm.job_id, "--store", store.uri)
     assert f"hit rate 100% ({len(SMOKE)}/{len(SMOKE)})" in out and "compile time saved" in out
+
+
+def test_a_300_unit_job_prints_a_summary_and_its_failures_not_300_rows(zoo_runs, zoo_dir, tmp_path):
+    """300 copies of the zoo's graphs (all hits in the zoo's store, copied) and one missing graph:
+    the job prints counts by target and status and the failed unit, in about 60 lines; `farm
+    results` still prints every row."""
+    import os
+    import re
+    import shutil
+
+    from tests.cli import farm
+
+    store = tmp_path / "store"
+    shutil.copytree(zoo_runs[0].uri.removeprefix("file://"), store)
+    graphs = []
+    for i in range(300 // len(SMOKE)):
+        for name in SMOKE:
+            graphs.append(tmp_path / f"{name}_{i:03d}.pt2")
+            os.link(zoo_dir / f"{name}.pt2", graphs[-1])
+    out = farm("compile", *map(str, graphs), str(tmp_path / "missing.pt2"), "--store", str(store))
+    lines = out.splitlines()
+    assert len(lines) <= 60, out
+    assert re.search(r"│ aoti-cpu\S* +│ hit +│ +300 │", out), out
+    assert re.search(r"│ aoti-cpu\S* +│ failed +│ +1 │", out), out
+    assert "1 failed" in out and "missing" in out and "does not exist" in out, out
+    assert "300 hits, 1 failed" in out, out
+    job_id = re.search(r"farm results (\S+) --store", out).group(1)
+    every_row = farm("results", job_id, "--store", str(store))
+    assert all(f"{g.stem}" in every_row for g in graphs), every_row[-2000:]
