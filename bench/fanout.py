@@ -6,11 +6,13 @@ a farm's cluster is already up.
 
     .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64]
 
-Prints serial_time / (W × farm_time); the goal is ≥ 0.85 for W=2 and ≥ 8 units.
+Prints serial_time / (W × farm_time); the goal is ≥ 0.95 for W=2 and ≥ 8 units. Then where each
+side's core-seconds went, phase by phase, and what the farm paid beyond the serial side.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 
 SERIAL = """
-import sys
+import json, sys
 from scheduler.spec import parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
@@ -27,7 +29,21 @@ job = parse_job({"name": "serial", "graphs": sys.argv[2:], "targets": sys.argv[1
 out = execute(job, store_from_uri(STORE))
 bad = [r.error for r in out.results if r.status != "compiled"]
 assert not bad, bad
+print("TIMINGS " + json.dumps([r.timings for r in out.results]))
 """
+PHASES = ("fetch", "load", "lower", "verify", "benchmark", "upload")
+
+
+def _split(label: str, wall_s: float, slots: int, timings: list[dict[str, float]]) -> dict[str, float]:
+    """Where one side's core-seconds went: the units' phases, and what was outside any unit
+    (process and actor start, torch imports, sandbox starts, planning, idle slots)."""
+    inside = sum(t.get("total", 0.0) for t in timings)
+    parts = {p: sum(t.get(p, 0.0) for t in timings) for p in PHASES}
+    parts["other in units"] = inside - sum(parts.values())
+    parts["outside units"] = slots * wall_s - inside
+    print(f"{label:<22}" + "".join(f"{parts[k]:9.1f}" for k in (*PHASES, "other in units", "outside units"))
+          + f"{slots * wall_s:9.1f}")
+    return parts
 
 
 def main() -> None:
@@ -48,9 +64,10 @@ def main() -> None:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache-serial")}
     code = SERIAL.replace("STORE", repr(str(root / "store-serial")))
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
-                   cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
     serial_s = time.perf_counter() - t0
+    serial_timings = json.loads(done.stdout.split("TIMINGS ", 1)[1])
 
     # farm: W long-lived workers on an embedded Ray (its start-up not counted)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-farm")  # inherited by the workers
@@ -73,7 +90,13 @@ def main() -> None:
           f"(fresh store, fresh Inductor cache, one torch start-up per process)")
     print(f"serial (1 process):      {serial_s:7.1f} s")
     print(f"farm ({args.workers} Ray workers):   {farm_s:7.1f} s")
-    print(f"efficiency serial/(W x farm) = {efficiency:.2f}  (goal >= 0.85)")
+    print(f"efficiency serial/(W x farm) = {efficiency:.2f}  (goal >= 0.95)")
+    print("core-seconds by phase (serial: 1 slot; farm: W slots x its wall time):")
+    print(f"{'':<22}" + "".join(f"{k[:8]:>9}" for k in (*PHASES, "other", "outside", "total")))
+    serial = _split("serial", serial_s, 1, serial_timings)
+    farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, [r.timings for r in outcome.results])
+    print(f"{'farm - serial':<22}" + "".join(f"{farm[k] - serial[k]:9.1f}" for k in serial)
+          + f"{args.workers * farm_s - serial_s:9.1f}")
 
 
 if __name__ == "__main__":

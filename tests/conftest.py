@@ -17,6 +17,19 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 from storage import store_from_uri
 
 _bucket_ids = itertools.count()
+# Tests that start or join a Ray cluster: one xdist worker runs them all, against the session's
+# one cluster (the README recipe's cluster and an embedded Ray take Ray's default ports).
+_RAY_MODULES = {"tests.test_cluster_recipe"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Two xdist workers (pyproject.toml): every test that needs Ray in one group, which starts
+    first (the largest); every other test grouped by its module, so a module's fixtures (a
+    compiled store, say) are made once. Without xdist the groups change nothing."""
+    for item in items:
+        ray = "ray_cluster" in getattr(item, "fixturenames", ()) or item.module.__name__ in _RAY_MODULES
+        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.module.__name__))
 
 
 @pytest.fixture(scope="session", autouse=True)
