@@ -17,19 +17,26 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 from storage import store_from_uri
 
 _bucket_ids = itertools.count()
-# Tests that start or join a Ray cluster: one xdist worker runs them all, against the session's
-# one cluster (the README recipe's cluster and an embedded Ray take Ray's default ports).
-_RAY_MODULES = {"tests.test_cluster_recipe"}
+# The modules whose tests start or join a Ray cluster. Under xdist (pyproject.toml: two workers)
+# they run on one worker, in one group (the largest, so it starts first), against the session's one
+# cluster; the README recipe's cluster and the embedded Ray take Ray's default ports. Every other
+# module is a group of its own, so its module fixtures (a compiled store, say) are made once.
+RAY_MODULES = {"test_cluster_recipe", "test_cuda_targets", "test_gang", "test_nightly", "test_observe", "test_ray_farm",
+               "test_sandbox", "test_serialized_targets"}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Two xdist workers (pyproject.toml): every test that needs Ray in one group, which starts
-    first (the largest); every other test grouped by its module, so a module's fixtures (a
-    compiled store, say) are made once. Without xdist the groups change nothing."""
-    for item in items:
-        ray = "ray_cluster" in getattr(item, "fixturenames", ()) or item.module.__name__ in _RAY_MODULES
-        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.module.__name__))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayModulesTogether(LoadScopeScheduling):
+        """xdist's --dist loadfile, with the Ray modules one scope (xdist_group marks cannot do it:
+        xdist 3.8 reads them from `item.nodeid`, which pytest 9 no longer lets it change)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if Path(path).stem in RAY_MODULES else path
+
+    return RayModulesTogether(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

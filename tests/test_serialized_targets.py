@@ -21,6 +21,7 @@ from scheduler.jobs import execute
 from scheduler.spec import parse_job
 from storage import store_from_uri
 from storage.history import read_history
+from workers import host_check
 from workers.backends import executorch as et_backend
 
 pytestmark = pytest.mark.slow
@@ -150,6 +151,7 @@ def test_without_the_extra_the_targets_say_which_to_install(monkeypatch, zoo_dir
     from workers.backends import get_backend, offered_resources
 
     monkeypatch.setattr(et_backend, "installed", lambda: None)
+    monkeypatch.setattr(host_check, "_asked", {})  # this process's earlier units found ExecuTorch here
     assert et_backend.RESOURCE not in offered_resources(2)  # such a host offers no slots for them
     assert "pip install -e '.[executorch]'" in get_backend("executorch").placement(None).unoffered
     job = parse_job({"name": "no-extra", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["executorch:xnnpack"],

@@ -5,8 +5,8 @@ The exported program is lowered to the Edge dialect and emitted as a .pte, with 
 supports; the ops it cannot take stay in the program and run on portable kernels, and `facts`
 lists both, so nothing is dropped unseen. A node the partitioner offers and XNNPACK's
 preprocessing then refuses (it checks more than the partitioner does) is kept off the delegate
-and the program lowered again: `facts["delegate_refused"]` names each one and why. An op no ExecuTorch kernel implements fails the
-lowering with a message that names it.
+and the program lowered again: `facts["delegate_refused"]` names each one and why. An op no
+ExecuTorch kernel implements fails the lowering with a message that names it.
 
 Verification and benchmarks run the .pte with ExecuTorch's Python runtime, in the sandbox like
 every artifact; the runtime checks the program's internal consistency as it loads it.
@@ -171,10 +171,15 @@ class ExecuTorch:
                                         f"an out variant and kernel for them, or compile this graph for another "
                                         f"target") from e
                 refusal = _refused_by_delegate(e)
-                if refusal is None or refusal in refused or len(refused) >= MAX_REFUSALS:
+                if refusal is None:
                     raise
+                if refusal in refused or len(refused) >= MAX_REFUSALS:
+                    raise LoweringError(f"the XNNPACK delegate kept refusing nodes ({len(refused) + 1}, the last "
+                                        f"{refusal.node}: {refusal.reason}); compile this graph for "
+                                        f"executorch:portable, which needs no delegate") from e
                 # The partitioner offered the delegate a node its preprocessing then refused: lower
                 # again with that node left to portable kernels, as for any op it does not take.
+                traceback.print_exception(e)
                 print(f"the XNNPACK delegate refused node {refusal.node} ({refusal.op}): {refusal.reason} "
                       f"Lowering again with it on portable kernels.")
                 refused.append(refusal)
