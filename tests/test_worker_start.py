@@ -3,6 +3,7 @@ keeps its caches) is what Inductor itself would say, without importing Inductor:
 brings Dynamo, over a second of CPU in every worker and every rank of a gang (issue 11)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,43 @@ def test_a_gang_rank_lowers_its_priority_before_it_imports_torch(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"]
+
+
+ASK_AGAIN = """
+import sys
+from workers import host_check
+from workers.unit import Target
+print(host_check.problem(Target("aoti-cpu", "avx2")), "torch._inductor.cpu_vec_isa" in sys.modules)
+"""
+
+
+def test_a_hosts_second_worker_takes_the_first_ones_host_check_without_importing_inductor(monkeypatch, tmp_path):
+    """The CPU check's probes are per host and toolchain: one worker's "yes" (here, this process's)
+    serves the host's others (workers/host_check.py), which then never import Inductor for it."""
+    from workers import host_check
+    from workers.unit import Target
+
+    monkeypatch.setattr(host_check, "inductor_cache_dir", lambda: str(tmp_path / "cache"))
+    assert host_check._answer(Target("aoti-cpu", "avx2")) is None
+    (answer,) = (tmp_path / "cache" / "farm-host-checks").glob("*.json")
+    assert json.loads(answer.read_text())["toolchain"]["cxx"]  # what it was asked with: host, compiler, torch
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    second = subprocess.run([sys.executable, "-c", ASK_AGAIN], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.split() == ["None", "False"]  # the answer, and Inductor never imported
+
+
+def test_a_problem_is_asked_again_and_a_new_compiler_asks_again(monkeypatch, tmp_path):
+    from workers import host_check
+    from workers.backends import cpu_isa, cxx
+    from workers.unit import Target
+
+    monkeypatch.setattr(host_check, "inductor_cache_dir", lambda: str(tmp_path))
+    asked = []
+    answers = iter(["no compiler", None, None])
+    monkeypatch.setattr(cpu_isa.PinnedCpuTarget, "host_problem", lambda self, t: asked.append(t) or next(answers))
+    target = Target("aoti-cpu", "avx2")
+    assert host_check._answer(target) == "no compiler" and host_check._answer(target) is None  # a problem: asked again
+    assert host_check._answer(target) is None and len(asked) == 2  # a "yes": kept
+    monkeypatch.setattr(cxx, "compiler", lambda: {"cxx": "g++", "cxx_version": "g++ (new) 99"})
+    assert host_check._answer(target) is None and len(asked) == 3  # another toolchain: asked again

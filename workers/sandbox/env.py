@@ -26,12 +26,12 @@ def child_env(home: Path) -> dict[str, str]:
     # Inductor's caches (and its precompiled header) stay where the worker's are, so a warm
     # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
     if "TORCHINDUCTOR_CACHE_DIR" not in env:
-        env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
+        env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
     return env
 
 
-def _inductor_cache_dir() -> str:
+def inductor_cache_dir() -> str:
     """Inductor's cache directory, named by Inductor's own torch-free module, loaded from its file:
     importing it by name imports Inductor's package and with it Dynamo, over a second of CPU in
     every worker before its sandbox could start."""
