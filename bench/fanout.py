@@ -71,10 +71,10 @@ def main() -> None:
 
     # farm: W long-lived workers on an embedded Ray (its start-up not counted)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-farm")  # inherited by the workers
-    from scheduler.spec import parse_job
     from scheduler.jobs import execute
     from scheduler.ray_pool import PoolConfig, RayRunner
     from scheduler.ray_session import ray_session
+    from scheduler.spec import parse_job
     from storage import store_from_uri
 
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})

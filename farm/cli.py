@@ -10,7 +10,9 @@ from typing import Optional
 import typer
 
 from farm import client
-from farm.cli_common import StoreOpt, fail as _fail, open_store as _open_store
+from farm.cli_common import StoreOpt
+from farm.cli_common import fail as _fail
+from farm.cli_common import open_store as _open_store
 from farm.zoo_cli import zoo_app
 from scheduler.spec import JobSpec, SpecError, VerifySpec, load_job, parse_job
 
@@ -273,9 +275,9 @@ def explain(
     """Why did a unit not hit? Diff two keys, or explain every miss of a job against the closest key in the store."""
     from dataclasses import asdict
 
-    from farm.console import diff_table, out
     from rich.markup import escape
 
+    from farm.console import diff_table, out
     from farm.explain import ExplainError, explain_job, explain_keys
     from storage import StoreError
 

@@ -19,12 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
-from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
-    RayActorError,
-    RayTaskError,
-)
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from scheduler.spec import RETRIES
 from storage import Store

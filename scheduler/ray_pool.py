@@ -13,13 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import ray
-from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
-    GetTimeoutError,
-    RayActorError,
-    RayTaskError,
-)
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

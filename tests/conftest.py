@@ -119,8 +119,8 @@ def zoo_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def zoo_runs(zoo_dir, tmp_path_factory):
     """The zoo job run twice into one local store: cold, then unchanged."""
-    from scheduler.spec import parse_job
     from scheduler.jobs import execute
+    from scheduler.spec import parse_job
 
     store = store_from_uri(str(tmp_path_factory.mktemp("zoo-store")))
     job = parse_job({"name": "zoo", "graphs": sorted(str(p) for p in zoo_dir.glob("*.pt2")), "targets": ["aoti-cpu"]})

@@ -9,13 +9,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.export import Dim
 
-from workers.gang.collectives import (
-    collective_ops,
-    dim_ranges,
-    first_divergence,
-    reconcile_dims,
-    regroup,
-)
+from workers.gang.collectives import collective_ops, dim_ranges, first_divergence, reconcile_dims, regroup
 
 
 class RowParallel(torch.nn.Module):

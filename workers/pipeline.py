@@ -32,25 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import (
-    BlobRef,
-    CorruptBlob,
-    Lease,
-    LeaseInfo,
-    Leases,
-    Store,
-    StoreError,
-    UnsafeStore,
-)
+from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers import host_check
-from workers.autotune.share import (
-    SharedAutotune,
-    autotunes,
-    entries_from,
-    fingerprint_of,
-)
+from workers.autotune.share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import tempdirs

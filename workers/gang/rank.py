@@ -51,14 +51,7 @@ from workers.gang.collectives import CollectiveOp, first_divergence, reconcile_d
 from workers.gang.early import EarlyCompile
 from workers.gang.tune import GangTuning, NoCandidate, tune
 from workers.keys import identity_variant
-from workers.lookup import (
-    Found,
-    UnitFailed,
-    find,
-    identify_in,
-    lookup_unit,
-    parse_identity,
-)
+from workers.lookup import Found, UnitFailed, find, identify_in, lookup_unit, parse_identity
 from workers.pipeline import (
     Checked,
     Compiled,

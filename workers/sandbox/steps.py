@@ -24,12 +24,7 @@ from workers.check.verify import verify
 from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
 from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
-from workers.sandbox.program import (
-    ProgramError,
-    load_program,
-    program_identity,
-    weights_digest,
-)
+from workers.sandbox.program import ProgramError, load_program, program_identity, weights_digest
 from workers.trace import torch_trace
 from workers.unit import Unit
 
