@@ -120,11 +120,14 @@ def test_two_jobs_submitted_at_once_compile_each_key_once(ray_cluster, zoo_dir, 
     assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # one job waited for the other's compiles
 
 
-def test_hits_are_answered_before_any_worker_starts(ray_cluster, zoo_runs, zoo_dir):
+def test_hits_are_answered_before_any_worker_starts(ray_cluster, zoo_dir, tmp_path):
     """With lookup_first (the embedded Ray, whose workers share the driver's environment), a
     unit already in the store never waits for a worker; only misses start workers."""
-    store = zoo_runs[0]  # the zoo, compiled for aoti-cpu (avx2) by this same environment
-    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu", "aoti-cpu:x86-64"]})
+    store = store_from_uri(str(tmp_path / "store"))
+    graphs = [str(zoo_dir / "mlp.pt2")]
+    (done,) = execute(parse_job({"graphs": graphs, "targets": ["aoti-cpu"]}), store).results  # in this process
+    assert done.status == "compiled", done.error
+    job = parse_job({"graphs": graphs, "targets": ["aoti-cpu", "aoti-cpu:x86-64"]})
     runner = RayRunner(PoolConfig(), job_id="lookup", lookup_first=True)
     outcome = execute(job, store, runner)
     status = {r.target: r.status for r in outcome.results}
