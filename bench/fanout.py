@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,11 @@ def _split(label: str, wall_s: float, slots: int, timings: list[dict[str, float]
     return parts
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=2)
@@ -63,10 +69,10 @@ def main() -> None:
     # serial: one fresh process, compiling every unit in turn
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache-serial")}
     code = SERIAL.replace("STORE", repr(str(root / "store-serial")))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
                           cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
-    serial_s = time.perf_counter() - t0
+    serial_s, serial_cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     serial_timings = json.loads(done.stdout.split("TIMINGS ", 1)[1])
 
     # farm: W long-lived workers on an embedded Ray (its start-up not counted)
@@ -93,6 +99,8 @@ def main() -> None:
     print(f"efficiency serial/(W x farm) = {efficiency:.2f}  (goal >= 0.95)")
     print("core-seconds by phase (serial: 1 slot; farm: W slots x its wall time):")
     print(f"{'':<22}" + "".join(f"{k[:8]:>9}" for k in (*PHASES, "other", "outside", "total")))
+    print(f"the serial side used {serial_cpu:.1f} CPU-seconds (its processes and compilers) in {serial_s:.1f} s: "
+          f"{serial_cpu / serial_s:.2f} cores on average")
     serial = _split("serial", serial_s, 1, serial_timings)
     farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, [r.timings for r in outcome.results])
     print(f"{'farm - serial':<22}" + "".join(f"{farm[k] - serial[k]:9.1f}" for k in serial)
