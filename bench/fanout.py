@@ -86,7 +86,8 @@ def main() -> None:
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})
     with ray_session(None, slots=args.workers):
         t0 = time.perf_counter()
-        outcome = execute(job, store_from_uri(str(root / "store-farm")), RayRunner(PoolConfig(workers=args.workers)))
+        runner = RayRunner(PoolConfig(workers=args.workers))
+        outcome = execute(job, store_from_uri(str(root / "store-farm")), runner)
         farm_s = time.perf_counter() - t0
     bad = [r.error for r in outcome.results if r.status != "compiled"]
     assert not bad, bad
@@ -101,6 +102,11 @@ def main() -> None:
     print(f"{'':<22}" + "".join(f"{k[:8]:>9}" for k in (*PHASES, "other", "outside", "total")))
     print(f"the serial side used {serial_cpu:.1f} CPU-seconds (its processes and compilers) in {serial_s:.1f} s: "
           f"{serial_cpu / serial_s:.2f} cores on average")
+    busy: dict[str, float] = {}
+    for r in outcome.results:
+        busy[r.worker or "?"] = busy.get(r.worker or "?", 0.0) + r.timings.get("total", 0.0)
+    print(f"farm: {sum(s.generation for s in runner.slots)} worker actors started for {len(runner.slots)} slots; "
+          f"busy {', '.join(f'{b:.1f}' for b in busy.values())} s of {farm_s:.1f} s ({len(busy)} worker processes)")
     serial = _split("serial", serial_s, 1, serial_timings)
     farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, [r.timings for r in outcome.results])
     print(f"{'farm - serial':<22}" + "".join(f"{farm[k] - serial[k]:9.1f}" for k in serial)
