@@ -39,7 +39,8 @@ def api_session(ray_cluster, zoo_dir, tmp_path_factory):
                                    "targets": ["aoti-cpu"]}))
     store = str(d / "store")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_metrics_report_interval_ms"] = "1000"  # Ray's agents export every second, not every ten
+    # Ray's agents export every 2 s, not every 10; a gauge stays two intervals after its last export
+    env["RAY_metrics_report_interval_ms"] = "2000"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "api_session.py"), str(job), store,
                            str(_free_port())], env=env, cwd=d, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
