@@ -117,7 +117,8 @@ def test_two_jobs_submitted_at_once_compile_each_key_once(ray_cluster, zoo_dir, 
     for key in {r["key"] for r in rows}:
         assert sorted(r["status"] for r in rows if r["key"] == key) == ["compiled", "hit"], rows
     assert len(list(s.manifest_keys())) == 2 and not list(s.backend.list("leases/"))
-    assert sum(r["lease_wait_s"] or 0 for r in rows) > 1.0  # one job waited for the other's compiles
+    # a hit that waited on the other job's lease (recorded only when a holder was seen), however long
+    assert any(r["lease_wait_s"] is not None for r in rows if r["status"] == "hit"), rows
 
 
 def test_hits_are_answered_before_any_worker_starts(ray_cluster, zoo_dir, tmp_path):
