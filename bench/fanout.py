@@ -4,7 +4,7 @@ cache each (the precompiled header in /tmp is shared by both), and both pay one 
 per process (the serial process's, and each worker actor's). Ray's own start is not counted:
 a farm's cluster is already up.
 
-    .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64]
+    .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64] [--units]
 
 Prints serial_time / (W × farm_time); the goal is ≥ 0.95 for W=2 and ≥ 8 units. Then where each
 side's core-seconds went, phase by phase, and what the farm paid beyond the serial side.
@@ -30,7 +30,7 @@ job = parse_job({"name": "serial", "graphs": sys.argv[2:], "targets": sys.argv[1
 out = execute(job, store_from_uri(STORE))
 bad = [r.error for r in out.results if r.status != "compiled"]
 assert not bad, bad
-print("TIMINGS " + json.dumps([r.timings for r in out.results]))
+print("TIMINGS " + json.dumps([dict(r.timings, unit=f"{r.graph.rsplit('/', 1)[-1]} {r.target}") for r in out.results]))
 """
 PHASES = ("fetch", "load", "lower", "verify", "benchmark", "upload")
 
@@ -47,6 +47,13 @@ def _split(label: str, wall_s: float, slots: int, timings: list[dict[str, float]
     return parts
 
 
+def _per_unit(label: str, timings: list[dict]) -> None:
+    print(f"{label}, unit by unit (seconds):")
+    for t in timings:
+        print(f"  {t['unit']:<34}" + "".join(f"{t.get(p, 0.0):9.1f}" for p in (*PHASES, "total"))
+              + f"  {t.get('worker', '')}")
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -56,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--isa", action="append", default=None)
+    ap.add_argument("--units", action="store_true", help="also print each unit's phases, and its worker")
     args = ap.parse_args()
     isas = args.isa or ["avx2", "x86-64"]
     targets = [f"aoti-cpu:{i}" for i in isas]
@@ -107,8 +115,13 @@ def main() -> None:
         busy[r.worker or "?"] = busy.get(r.worker or "?", 0.0) + r.timings.get("total", 0.0)
     print(f"farm: {sum(s.generation for s in runner.slots)} worker actors started for {len(runner.slots)} slots; "
           f"busy {', '.join(f'{b:.1f}' for b in busy.values())} s of {farm_s:.1f} s ({len(busy)} worker processes)")
+    farm_timings = [dict(r.timings, unit=f"{r.graph.rsplit('/', 1)[-1]} {r.target}", worker=r.worker or "?")
+                    for r in outcome.results]
+    if args.units:
+        _per_unit("serial", serial_timings)
+        _per_unit("farm", farm_timings)
     serial = _split("serial", serial_s, 1, serial_timings)
-    farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, [r.timings for r in outcome.results])
+    farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, farm_timings)
     print(f"{'farm - serial':<22}" + "".join(f"{farm[k] - serial[k]:9.1f}" for k in serial)
           + f"{args.workers * farm_s - serial_s:9.1f}")
 

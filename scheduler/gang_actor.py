@@ -20,15 +20,13 @@ WAITING_NICE = 19
 
 class GangMember:
     """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
-    long as the gang (its work: scheduler/ray_actors.py's `GangRank`)."""
+    long as the gang (its work: scheduler/gang_rank.py's `GangRank`)."""
 
     def __init__(self, store_uri: str, target: Any, limits: Any, device: str, rank: int, reads: bool,
                  identical_ranks: bool):
         if not reads:
             os.nice(WAITING_NICE)
-        from scheduler.ray_actors import (
-            GangRank,  # torch, the store, the pipeline: after the nice
-        )
+        from scheduler.gang_rank import GangRank  # torch, the store, the pipeline: after the nice
 
         self.rank = GangRank(store_uri, target, limits, device, rank, reads, identical_ranks)
 

@@ -1,26 +1,18 @@
-"""The bodies of the farm's Ray actors: a pool slot's `CompileWorker`, and a gang rank's `GangRank`
-(started by the torch-free shell scheduler/gang_actor.py). scheduler/ray_pool.py places them;
-this module is what runs inside them, and imports neither of its callers."""
+"""The body of a pool slot's Ray actor, `CompileWorker`: what runs inside it (scheduler/ray_pool.py
+places it). It imports no torch: torch is its sandbox child's (workers/sandbox/), so a worker
+costs one torch import, not two. A gang rank's body is scheduler/gang_rank.py."""
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import socket
-import tempfile
-from pathlib import Path
-from typing import Any
 
 import ray
 
 from storage import CacheConfig, store_from_uri
-from workers import host_check
-from workers.gang.early import EarlyCompile, compiles_early
-from workers.gang.rank import GangComm, read_own_graph, run_rank
-from workers.gang.rendezvous import open_store
 from workers.pipeline import run_unit
 from workers.sandbox import tempdirs
 from workers.sandbox.process import Sandbox
-from workers.unit import Gang, Target, Unit, UnitLimits, UnitResult
+from workers.unit import Unit, UnitLimits, UnitResult
 
 
 class CompileWorker:
@@ -39,64 +31,6 @@ class CompileWorker:
     def run(self, unit: Unit) -> UnitResult:
         result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
-        return result
-
-    def close(self) -> None:
-        self.sandbox.close()
-
-
-class GangRank:
-    """What a gang's rank does, in its actor (scheduler/gang_actor.py's `GangMember`). Rank 0
-    hosts the store the gang's process group forms through."""
-
-    def __init__(self, store_uri: str, target: Target, limits: UnitLimits, device: str, rank: int, reads: bool,
-                 identical_ranks: bool):
-        self.store = store_from_uri(store_uri, CacheConfig.from_env())
-        self.rank, self.host = rank, ray.util.get_node_ip_address()
-        self.rendezvous = None
-        self.tmp: tempfile.TemporaryDirectory | None = None  # the rank's work dir, from `read` to the end of `run`
-        self.own: dict[str, Any] = {}  # what its graph says (`read`)
-        self.early: EarlyCompile | None = None
-        self.sandbox = Sandbox()
-        if reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
-            self.sandbox.prestart(limits, device)
-        # Whether this host can build the target, asked by one rank (its probe builds serve the gang's
-        # ranks on this host; four ranks that load and may then diverge are not slowed by four) and
-        # as the rank starts: asked with its graph's load, the answer kept rank 0's compile waiting.
-        # Urgently where rank 0 reads for all: it compiles early, and the others start after the answer.
-        if rank == 0:
-            host_check.start(target, urgent=identical_ranks)
-
-    def host_store(self, timeout_s: float) -> tuple[str, int]:
-        self.rendezvous = open_store(self.host, 0, True, timeout_s)
-        return self.host, self.rendezvous.port
-
-    def read(self, gang: Gang) -> None:
-        """Read this rank's graph, before the gang's process group forms: the load overlaps the other
-        ranks' start. Rank 0 of identical ranks then starts compiling (workers/gang/early.py) and
-        answers once that compile has the host check's answer, so that ranks started after this
-        call (scheduler: `GangRunner`) take no CPU from its load and probe."""
-        self.tmp = tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang"))
-        self.own = read_own_graph(gang, self.rank, self.store, self.sandbox, Path(self.tmp.name))
-        if compiles_early(gang, self.rank, self.own):
-            self.early = EarlyCompile(gang.ranks[0], self.store, self.sandbox)
-            concurrent.futures.wait([host_check.start(gang.ranks[0].target)])
-
-    def run(self, gang: Gang, address: tuple[str, int] | None) -> UnitResult:
-        timeout = gang.collective_timeout_s
-        try:
-            store = self.rendezvous or open_store(address[0], address[1], False, timeout)
-            comm = GangComm(store, self.rank, gang.world_size, timeout)
-            try:
-                result = run_rank(comm, gang, self.own, self.store, self.sandbox, self.host, Path(self.tmp.name),
-                                  self.early)
-            finally:
-                comm.close()
-        finally:
-            if self.early is not None:  # the group never formed: it stops, publishing nothing
-                self.early.cancel("the gang's process group did not form")
-            self.tmp.cleanup()
-        result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
 
     def close(self) -> None:

@@ -90,3 +90,56 @@ def test_a_problem_is_asked_again_and_a_new_compiler_asks_again(monkeypatch, tmp
     assert host_check._answer(target) is None and len(asked) == 2  # a "yes": kept
     monkeypatch.setattr(cxx, "compiler", lambda: {"cxx": "g++", "cxx_version": "g++ (new) 99"})
     assert host_check._answer(target) is None and len(asked) == 3  # another toolchain: asked again
+
+
+WORKER = """
+import json, sys
+from scheduler.ray_actors import CompileWorker  # what a pool slot's actor imports
+from scheduler.jobs import execute
+from scheduler.spec import parse_job
+from storage import store_from_uri
+
+job = parse_job({"name": "w", "graphs": [sys.argv[1]], "targets": ["aoti-cpu:avx2"]})
+(result,) = execute(job, store_from_uri(sys.argv[2])).results  # the pipeline a worker runs, in this process
+print(json.dumps({"status": result.status, "error": result.error, "device": result.device,
+                  "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_pool_worker_compiles_and_benchmarks_a_unit_without_importing_torch(zoo_dir, tmp_path):
+    """torch is the sandbox child's: the worker that keys, checks the host, fingerprints its CPU
+    and publishes costs no torch import of its own (two per worker otherwise, on a 2-core host a
+    tenth of a small job), once the host's first process has asked Inductor about this host."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}  # this host's Inductor cache, warm or not
+    first = subprocess.run([sys.executable, "-c", "from workers.backends import cpu_isa; print(cpu_isa.can_pin())"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert first.returncode == 0 and first.stdout.split() == ["True"], first.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", WORKER, str(zoo_dir / "mlp.pt2"), str(tmp_path / "store")],
+                         env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = json.loads(out.stdout.splitlines()[-1])
+    assert (said["status"], said["error"], said["torch"]) == ("compiled", None, False)
+    from torch._inductor import cpu_vec_isa
+
+    assert said["device"]["vec_isas"] == sorted(str(i) for i in cpu_vec_isa.valid_vec_isa_list())  # Inductor's answer
+
+
+def test_what_inductor_says_of_the_host_is_asked_again_for_another_torch_or_a_damaged_record(monkeypatch, tmp_path):
+    from workers.backends import inductor_host
+
+    monkeypatch.setattr(inductor_host, "inductor_cache_dir", lambda: str(tmp_path))
+    asked = []
+    monkeypatch.setattr(inductor_host, "_ask_inductor", lambda: asked.append(1) or {"vec_isas": ["avx2"], "can_pin": True})
+
+    def ask() -> dict:
+        inductor_host.inductor_host.cache_clear()
+        return inductor_host.inductor_host()
+
+    assert ask()["vec_isas"] == ["avx2"] and ask()["vec_isas"] == ["avx2"] and len(asked) == 1  # kept
+    (record,) = tmp_path.glob("farm-host-checks/inductor-host-*.json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "vec_isas": "avx512"}))  # not a list
+    assert ask()["vec_isas"] == ["avx2"] and len(asked) == 2
+    record.write_text("{")  # torn
+    assert ask()["vec_isas"] == ["avx2"] and len(asked) == 3
+    monkeypatch.setattr(inductor_host, "cpu_identity", lambda: {"model": "another CPU", "flags": "0"})
+    assert ask()["can_pin"] is True and len(asked) == 4 and len(list(tmp_path.glob("farm-host-checks/*.json"))) == 2

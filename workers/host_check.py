@@ -23,12 +23,11 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from filelock import FileLock
 
 from workers.backends import resolve
-from workers.backends.cpu_isa import cpu_model
+from workers.backends.inductor_host import RECORDS, cpu_identity
 from workers.sandbox.env import inductor_cache_dir
 from workers.unit import Target
 
@@ -36,7 +35,6 @@ _checker = ThreadPoolExecutor(1, thread_name_prefix="farm-host-check", initializ
 _urgent = ThreadPoolExecutor(1, thread_name_prefix="farm-host-check-urgent")
 _asked: dict[str, Future[str | None]] = {}
 _lock = threading.Lock()
-ANSWERS = "farm-host-checks"  # in Inductor's cache dir
 
 
 def start(target: Target, urgent: bool = False) -> Future[str | None]:
@@ -56,10 +54,10 @@ def _answer(target: Target) -> str | None:
     backend = resolve(target)
     if backend.device != "cpu":
         return backend.host_problem(target)
-    asked = {"target": target.label, "host": _cpu(), "toolchain": backend.toolchain(target),
+    asked = {"target": target.label, "host": cpu_identity(), "toolchain": backend.toolchain(target),
              "torch": importlib.metadata.version("torch"), "python": sys.executable}
     digest = hashlib.sha256(json.dumps(asked, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    path = Path(inductor_cache_dir()) / ANSWERS / f"{digest}.json"
+    path = Path(inductor_cache_dir()) / RECORDS / f"{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock", timeout=600):
         try:
@@ -73,14 +71,3 @@ def _answer(target: Target) -> str | None:
             partial.write_text(json.dumps({**asked, "problem": None}, default=str))
             os.replace(partial, path)
         return found
-
-
-def _cpu() -> dict[str, Any]:
-    """The CPU as far as what it can run goes: its model and its feature flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return {"model": cpu_model(), "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}

@@ -11,7 +11,7 @@ import platform
 import sys
 from typing import Any
 
-import torch
+from workers.torch_files import standalone
 
 # Bump whenever the inputs to the hash (or their meaning) change.
 KEY_VERSION = 3  # 3: backend-specific toolchain (compiler, CUDA, Triton only where the backend uses them)
@@ -20,9 +20,10 @@ KEY_VERSION = 3  # 3: backend-specific toolchain (compiler, CUDA, Triton only wh
 @functools.cache
 def toolchain() -> dict[str, Any]:
     """What every artifact depends on; each backend adds its own tools (Backend.toolchain)."""
+    version = standalone("version.py")  # torch's own record of its build, without importing torch
     return {
-        "torch": torch.__version__,
-        "torch_git": torch.version.git_version,
+        "torch": version.__version__,
+        "torch_git": version.git_version,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "platform": sys.platform,

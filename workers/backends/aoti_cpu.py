@@ -13,14 +13,15 @@ same architecture is swapped in with `load_constants`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError
 from workers.unit import Target
+
+if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
+    import torch
+    from torch.export import ExportedProgram
 
 WEIGHTS_OUT_OF_CODE = {
     "aot_inductor.package_constants_in_so": False,
@@ -36,6 +37,7 @@ def compile_and_package(ep: ExportedProgram, workdir: Path, configs: dict[str, A
     and packaged after that lock is let go: two workers lowering the same code at once packaged
     each other's half-written files (an empty wrapper_metadata.json was seen). Nothing there is
     reused: the .so is rebuilt on every compile, so a private directory costs nothing."""
+    import torch
     from torch._inductor.package import package_aoti
 
     generated = workdir / "aoti-generated"
@@ -47,16 +49,22 @@ def compile_and_package(ep: ExportedProgram, workdir: Path, configs: dict[str, A
 
 
 def package_metadata(artifact: Path) -> dict[str, str]:
+    import torch
+
     return dict(torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(artifact), "model"))
 
 
 def program_constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
     """Every weight, buffer and constant of a program by the name AOTInductor gives it."""
+    import torch
+
     return {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
 
 
 def load_with_weights(artifact: Path, constants: dict[str, torch.Tensor]) -> Callable[..., Any]:
     """Load a `weights: shapes` package and swap in another checkpoint's weights."""
+    import torch
+
     model = torch._inductor.aoti_load_package(str(artifact))
     needed = model.get_constant_fqns()
     missing = sorted(set(needed) - set(constants))
@@ -68,6 +76,8 @@ def load_with_weights(artifact: Path, constants: dict[str, torch.Tensor]) -> Cal
 
 def load_package(artifact: Path, target: Target, ep: ExportedProgram | None) -> Callable[..., Any]:
     """The package's model; under `weights: shapes`, running with ep's weights."""
+    import torch
+
     if target.weights == "shapes" and ep is not None:
         return load_with_weights(artifact, program_constants(ep))
     return torch._inductor.aoti_load_package(str(artifact))

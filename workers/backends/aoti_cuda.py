@@ -14,10 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa, cuda, cxx
 from workers.backends.aoti_cpu import (
@@ -28,7 +25,11 @@ from workers.backends.aoti_cpu import (
     weights_facts,
 )
 from workers.backends.base import LoweringError, Placement
+from workers.torch_files import standalone
 from workers.unit import Target
+
+if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
+    from torch.export import ExportedProgram
 
 WRAPPER_ISA = "avx2"  # what the wrapper's host code may use when it can be pinned
 
@@ -42,6 +43,8 @@ def _triton_version() -> str | None:
 
 def _current_arch() -> str:
     """The architecture of the GPU this process uses (in the sandbox, where CUDA is up already)."""
+    import torch
+
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
 
@@ -81,7 +84,7 @@ class AotiCuda:
 
     def toolchain(self, target: Target) -> dict[str, Any]:
         # the driver is not here: packages hold cubins for the architecture, which any recent driver loads
-        return {**cxx.compiler(), "cuda": torch.version.cuda, "triton": _triton_version()}
+        return {**cxx.compiler(), "cuda": standalone("version.py").cuda, "triton": _triton_version()}
 
     def placement(self, target: Target) -> Placement:
         return Placement(cuda.arch_resource(target.isa), cpus=1.0, gpus=1.0 / cuda.WORKERS_PER_GPU)

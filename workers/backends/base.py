@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
-
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from workers.unit import Target
+
+if TYPE_CHECKING:  # torch is the sandbox's: a worker that only plans, keys and places never imports it
+    from torch.export import ExportedProgram
 
 
 class LoweringError(Exception):

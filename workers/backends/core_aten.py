@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError, Placement
 from workers.unit import Target
+
+if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
+    from torch.export import ExportedProgram
 
 BASELINE = "x86-64"  # the ISA slot every CPU host offers: the artifact is code-free
 
 
 def outside_core(ep: ExportedProgram) -> list[str]:
     """The operators of ep that are not core ATen (higher-order and Python operators aside)."""
+    import torch
+
     found = set()
     for node in ep.graph.nodes:
         target = node.target
@@ -36,6 +38,8 @@ def outside_core(ep: ExportedProgram) -> list[str]:
 
 
 def op_census(ep: ExportedProgram) -> dict[str, int]:
+    import torch
+
     counts: dict[str, int] = {}
     for node in ep.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
@@ -80,6 +84,8 @@ class CoreAten:
         return ep
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
+        import torch
+
         core = ep.run_decompositions()
         left = outside_core(core)
         if left:

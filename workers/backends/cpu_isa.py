@@ -7,17 +7,17 @@ named, because on a host with AMX `simdlen=512` alone would pick AMX over plain 
 from __future__ import annotations
 
 import contextlib
-import functools
-import platform
+import importlib.metadata
 from dataclasses import dataclass
-from typing import Any, Iterator
-
-import torch
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Iterator
 
 from workers.backends import cxx
 from workers.backends.base import LoweringError, Placement
+from workers.backends.inductor_host import cpu_model, inductor_host
 from workers.unit import Target
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ def _cpu_vec_isa():
 
 
 def host_vec_isas() -> set[str]:
-    return {str(i) for i in _cpu_vec_isa().valid_vec_isa_list()}
+    """Inductor's vector ISAs on this host (asked once per host: workers/backends/inductor_host.py)."""
+    return set(inductor_host()["vec_isas"])
 
 
 @contextlib.contextmanager
@@ -63,18 +64,6 @@ def only_vec_isa(name: str) -> Iterator[None]:
         yield
     finally:
         cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
-
-
-@functools.cache
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_fingerprint() -> dict[str, Any]:
@@ -95,9 +84,7 @@ def host_resources(slots: int) -> dict[str, float]:
 
 def can_pin() -> bool:
     """Whether this torch's Inductor can pin the ISA at all (`cpp.march` is newer than torch 2.11)."""
-    from torch._inductor import config
-
-    return hasattr(config.cpp, "march")
+    return inductor_host()["can_pin"]
 
 
 class PinnedCpuTarget:
@@ -140,6 +127,6 @@ class PinnedCpuTarget:
         if isa.vec_isa and isa.vec_isa not in have:
             return f"this host cannot build or run {name} code (it has: {', '.join(sorted(have)) or 'no vector ISA'})"
         if not can_pin():
-            return (f"torch {torch.__version__} cannot pin Inductor's CPU ISA (it has no cpp.march setting), so "
+            return (f"torch {importlib.metadata.version('torch')} cannot pin Inductor's CPU ISA (it has no cpp.march setting), so "
                     f"{self.name} would build for this host's CPU only; CPU targets need torch 2.13")
         return cxx.libstdcxx_problem()

@@ -10,6 +10,7 @@ than the loaded one is refused before anything is built with it.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -59,6 +60,10 @@ def libstdcxx_problem() -> str | None:
     if not path:
         return f"the C++ compiler {compiler()['cxx']!r} is not installed; AOTInductor needs one (set CXX)"
     built = _run([path, "-print-file-name=libstdc++.so.6"])
+    try:  # the one torch would run with: a worker that imports no torch may not have loaded any yet
+        ctypes.CDLL("libstdc++.so.6")
+    except OSError:
+        pass
     try:
         with open("/proc/self/maps") as f:
             loaded = next((line.split()[-1] for line in f if "libstdc++.so" in line), None)

@@ -25,16 +25,15 @@ import re
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-import torch.utils._pytree as pytree
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError, Placement
 from workers.errors import summary
 from workers.unit import Target
+
+if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
+    from torch.export import ExportedProgram
 
 RESOURCE = "farm_executorch"
 DELEGATES = ("portable", "xnnpack")
@@ -88,6 +87,8 @@ def is_pte(path: Path) -> bool:
 def load_pte(artifact: Path, ep: ExportedProgram | None = None) -> Callable[..., Any]:
     """A callable running the .pte's `forward` with ExecuTorch's runtime. It takes the program's
     (args, kwargs) and, given the program, returns outputs in its structure (a list otherwise)."""
+    import torch
+    import torch.utils._pytree as pytree
     from executorch.runtime import Runtime, Verification
 
     try:
@@ -220,6 +221,8 @@ def _refused_by_delegate(e: RuntimeError) -> Refusal | None:
     was raised: the node visitors check what the partitioner does not (an unsqueeze whose output
     has two dynamic dimensions, for one) and raise without naming the node, so it is read from the
     visitor's frame."""
+    import torch
+
     for frame, _ in traceback.walk_tb(e.__traceback__):
         if frame.f_code.co_name == "define_node" and "/backends/xnnpack/" in frame.f_code.co_filename:
             node = frame.f_locals.get("node")

@@ -14,17 +14,20 @@ them under `artifact.serving_config`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-from torch.export import ExportedProgram
+from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError
 from workers.unit import Target
 
+if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
+    import torch
+    from torch.export import ExportedProgram
+
 
 def _compiled(module: torch.nn.Module, configs: dict[str, Any], vec_isa: str) -> Callable[..., Any]:
+    import torch
+
     compiled = torch.compile(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -38,6 +41,8 @@ def _mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> N
     """A gang's agreement: these `<input>.<dim>`s are dynamic from the first call on every rank,
     instead of each rank's automatic-dynamic deciding on the sizes it happened to see (maybe_:
     a dimension the graph specializes stays static, on every rank alike)."""
+    import torch
+
     for name, value in zip(ep.graph_signature.user_inputs, torch.utils._pytree.tree_leaves(args)):
         if isinstance(value, torch.Tensor):
             for i in range(value.dim()):
@@ -57,6 +62,7 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         return {**target.options_dict, **self.isa(target)[1].inductor_configs}
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
+        import torch
         from torch.compiler._cache import CacheArtifactManager
 
         from workers.check.inputs import (
@@ -78,6 +84,8 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         return out
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
+        import torch
+
         if ep is None:
             raise LoweringError("an inductor-cache bundle is loaded together with the program it was compiled from")
         problem = self.host_problem(target)
@@ -89,6 +97,8 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         return _compiled(ep.module(), self._configs(target), self.isa(target)[1].vec_isa)
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
+        import torch
+
         configs = self._configs(target)
         return {
             "format": "torch-compile-cache-artifacts",

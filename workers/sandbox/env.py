@@ -4,10 +4,11 @@ worker's is. Its own module because the GPU check (workers/backends/cuda.py) sta
 too, and the sandbox asks that check about its GPU."""
 from __future__ import annotations
 
-import importlib.util
+import getpass
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -32,14 +33,21 @@ def child_env(home: Path) -> dict[str, str]:
 
 
 def inductor_cache_dir() -> str:
-    """Inductor's cache directory, named by Inductor's own torch-free module, loaded from its file:
-    importing it by name imports Inductor's package and with it Dynamo, over a second of CPU in
-    every worker before its sandbox could start."""
-    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
-        return sys.modules["torch._inductor.runtime.cache_dir_utils"].cache_dir()
-    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
-    spec = importlib.util.spec_from_file_location("_farm_inductor_cache_dir_utils",
-                                                  torch_dir / "_inductor" / "runtime" / "cache_dir_utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cache_dir()
+    """Inductor's cache directory: TORCHINDUCTOR_CACHE_DIR, or Inductor's default, which this
+    process then sets so that its children agree. Inductor's own module for this
+    (torch/_inductor/runtime/cache_dir_utils.py) imports torch, over a second of CPU in every
+    worker, which otherwise imports no torch (its sandbox child has it); so outside the sandbox
+    this reads Inductor's rule: the temp dir's `torchinductor_<user>`."""
+    loaded = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if loaded is not None:
+        return loaded.cache_dir()
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}"
+        chosen = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    chosen = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(chosen)
+    os.makedirs(chosen, exist_ok=True)
+    return chosen

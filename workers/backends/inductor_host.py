@@ -1,0 +1,86 @@
+"""What Inductor can build on this host, asked of Inductor once per host and kept on disk.
+
+Inductor finds the vector ISAs a host can use by building and loading a probe program per ISA,
+and whether it can pin an ISA at all is a property of its config. Asking either means importing
+Inductor, and with it Dynamo (over two seconds of CPU with torch's own import), in a process
+that otherwise never needs torch: a pool's worker, which names keys, places work, fingerprints
+its CPU for benchmarks and checks the host, while torch lives in its sandbox child. So the
+answer is kept in Inductor's cache dir (beside the probes it came from), keyed by the CPU
+(model and feature flags), the compiler, torch and Python: the host's first process to ask
+computes it under a file lock, and every later one reads it.
+
+The file is only a cache of what Inductor would answer: one that does not parse, or was asked
+about another CPU, compiler or torch, is asked again.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from workers.backends import cxx
+from workers.sandbox.env import inductor_cache_dir
+from workers.torch_files import standalone
+
+RECORDS = "farm-host-checks"  # in Inductor's cache dir
+
+
+@functools.cache
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_identity() -> dict[str, str]:
+    """The CPU as far as what it can run goes: its model and its feature flags (hashed)."""
+    return {"model": cpu_model(), "flags": hashlib.sha256(_cpuinfo("flags").encode()).hexdigest()[:16]}
+
+
+def _cpuinfo(field: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def inductor_host() -> dict[str, Any]:
+    """{"vec_isas": [...], "can_pin": bool} for this host, from the record or from Inductor."""
+    asked = {"cpu": cpu_identity(), "compiler": cxx.compiler(), "torch": standalone("version.py").__version__,
+             "python": sys.executable}
+    digest = hashlib.sha256(json.dumps(asked, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    path = Path(inductor_cache_dir()) / RECORDS / f"inductor-host-{digest}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock", timeout=600):
+        try:
+            record = json.loads(path.read_text())
+            if _valid(record, asked):
+                return record
+        except (OSError, ValueError):
+            pass  # not asked yet on this host, or a torn file: ask
+        record = {**_ask_inductor(), "asked": asked}
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(record, default=str))
+        os.replace(partial, path)
+        return record
+
+
+def _ask_inductor() -> dict[str, Any]:
+    from torch._inductor import config, cpu_vec_isa
+
+    return {"vec_isas": sorted(str(i) for i in cpu_vec_isa.valid_vec_isa_list()),
+            "can_pin": hasattr(config.cpp, "march")}  # `cpp.march` is newer than torch 2.11
+
+
+def _valid(record: Any, asked: dict[str, Any]) -> bool:
+    return (isinstance(record, dict) and json.loads(json.dumps(asked, default=str)) == record.get("asked")
+            and isinstance(record.get("can_pin"), bool) and isinstance(record.get("vec_isas"), list)
+            and all(isinstance(i, str) and len(i) < 100 for i in record["vec_isas"]))
