@@ -8,6 +8,9 @@ The rules, and their tests without a cluster (tests/test_pool.py):
   that class's queued units with the worker's own error;
 - a unit still running WORKER_GRACE_S past its timeout has its worker killed and replaced and
   ends as failed with reason `timeout` (its sandbox normally ends it at the timeout itself);
+- a worker whose class covers another's (an avx2 worker builds x86-64 code: `Placement.covers`)
+  takes that class's units when its own queue is empty, and such classes get workers of the
+  covering class, so a job's mix of ISAs shares its workers instead of idling one per class;
 - every unit is reported exactly once.
 The cluster's calls go through `Cluster` (scheduler/ray_pool.py has Ray's).
 """
@@ -116,6 +119,7 @@ class WorkerPool:
         self._store_uri = store.uri
         self._limits = units[0].limits if units else UnitLimits()
         self._placements: dict[str, tuple[Placement, str]] = {}  # device class → (placement, device)
+        self._covers: dict[str, set[str]] = {}  # device class → the queued classes its workers also build
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
             yield from self._place(units, store, events, queues, sandbox)
@@ -130,6 +134,7 @@ class WorkerPool:
                                          f"{advice}", retryable=True)
                 events.finished(p.unit, result)
                 yield p.unit, result
+        self._covers = {r: set(self._placements[r][0].covers) & set(queues) for r in queues}
         budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))
         for i in range(budget):
             resource = self._most_starved(queues)
@@ -167,17 +172,36 @@ class WorkerPool:
         return int(self._offered.get(resource, 0)) > 0 and self._offered.get("GPU", 0) >= placement.gpus
 
     def _most_starved(self, queues) -> str | None:
-        """The device class with the fewest workers per queued unit, among those with fewer workers
-        than both their queued units and the slots the cluster offers for them."""
+        """The device class with the fewest workers per unit it could take, among those with fewer
+        workers than the slots the cluster offers for them and than those units. A class's units
+        include those of the classes it covers, and its workers those of the classes covering it;
+        on a tie the class that could take the most units wins (a covering one)."""
         workers = collections.Counter(s.resource for s in self.slots)
-        wanting = [r for r, q in queues.items() if workers[r] < min(int(self._offered.get(r, 0)), len(q))]
-        return min(wanting, key=lambda r: (workers[r] / len(queues[r]), r), default=None)
+        demand = {r: len(q) + sum(len(queues.get(c, ())) for c in self._covers.get(r, ())) for r, q in queues.items()}
+        serving = {r: sum(n for c, n in workers.items() if c == r or r in self._covers.get(c, ())) for r in queues}
+        wanting = [r for r in queues if demand[r] and workers[r] < int(self._offered.get(r, 0)) and serving[r] < demand[r]]
+        return min(wanting, key=lambda r: (serving[r] / demand[r], -demand[r], r), default=None)
+
+    def _next(self, slot: _Slot, queues) -> _Pending | None:
+        """The slot's next unit: its own class's first, else that of a class it covers with the most queued."""
+        own = queues.get(slot.resource)
+        covered = max((queues[c] for c in self._covers.get(slot.resource, ()) if queues.get(c)), key=len, default=None)
+        chosen = own or covered
+        return chosen.popleft() if chosen else None
 
     def _report_load(self, queues, events) -> None:
         """Queue depth and busy and idle workers per device class, for metrics and `farm status`."""
         busy = collections.Counter(s.resource for s in self.slots if s.future is not None)
         idle = collections.Counter(s.resource for s in self.slots if s.future is None and s.ready is None)
         events.load({r: len(q) for r, q in queues.items()}, dict(busy), dict(idle))
+
+    def _orphaned(self, slot: _Slot, queues) -> list[_Pending]:
+        """What is queued for the slot's class, and for the classes it covers that no worker of
+        another class would take: they fail with the class that gave up."""
+        others = {s.resource for s in self.slots if s.resource != slot.resource}
+        gone = [slot.resource] + [c for c in self._covers.get(slot.resource, ())
+                                  if not any(c == o or c in self._covers.get(o, ()) for o in others)]
+        return [p for c in gone for p in queues.pop(c, ())]
 
     def _give_up(self, slot: _Slot, queued, error: str, events) -> Iterator[tuple[Unit, UnitResult]]:
         """A device class whose workers keep dying while they start: its queued units fail with
@@ -198,12 +222,12 @@ class WorkerPool:
             for slot in self.slots:
                 if slot.ready is not None or slot.future is not None:
                     continue
-                if not queues.get(slot.resource):  # nothing left for its class: move it where work waits
+                p = self._next(slot, queues)
+                if p is None:  # nothing left it can build: move it where work waits
                     target = self._most_starved(queues)
                     if target is not None and target != slot.resource:
                         self._restart(slot, target)
                     continue
-                p = queues[slot.resource].popleft()
                 slot.unit, slot.retries, slot.started = p.unit, p.retries, time.monotonic()
                 slot.future = self.cluster.submit(slot.actor, p.unit)
                 events.started(p.unit)
@@ -221,7 +245,7 @@ class WorkerPool:
                         if failed_starts[slot.resource] < self.config.start_attempts:
                             self._restart(slot)  # died while starting: try a fresh one
                         else:
-                            yield from self._give_up(slot, queues.pop(slot.resource, ()), _worker_error(e), events)
+                            yield from self._give_up(slot, self._orphaned(slot, queues), _worker_error(e), events)
             now = time.monotonic()
             for slot in self.slots:
                 if slot.future is None:

@@ -32,6 +32,8 @@ class FakeCluster:
         self.starts, self.runs = starts, runs
         self.started, self.killed, self.stopped = 0, [], []
         self.attempts: Counter = Counter()
+        self.ran: list[tuple[str, str]] = []  # (worker's name, unit's target) per submission
+        self.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0}
         self._ids = itertools.count()
 
     def start(self, name, placement, store_uri, limits, device):
@@ -43,6 +45,7 @@ class FakeCluster:
 
     def submit(self, actor, unit):
         self.attempts[unit.unit_id] += 1
+        self.ran.append((actor["name"], unit.target.label))
         what = self.runs(unit, self.attempts[unit.unit_id])
         if what == "die":
             return Future(error=ActorDiedError())
@@ -68,7 +71,7 @@ class FakeCluster:
         self.killed.append(actor["id"])
 
     def offered(self):
-        return {"CPU": 2.0, "farm_cpu_avx2": 2.0}
+        return self.offers
 
     def stop(self, actors):
         self.stopped = [a["id"] for a in actors]
@@ -80,8 +83,8 @@ def _died_with(error: BaseException) -> Future:
     return Future(error=ActorDiedError(RayTaskError("CompileWorker.__init__", trace, error)))
 
 
-def _units(n: int, timeout_s: float = 1800.0) -> list[Unit]:
-    return [Unit(f"g{i}", f"g{i}.pt2", Target("aoti-cpu", "avx2"), BlobRef("0" * 64, 1), limits=UnitLimits(timeout_s=timeout_s))
+def _units(n: int, timeout_s: float = 1800.0, isa: str = "avx2") -> list[Unit]:
+    return [Unit(f"g{i}", f"g{i}.pt2", Target("aoti-cpu", isa), BlobRef("0" * 64, 1), limits=UnitLimits(timeout_s=timeout_s))
             for i in range(n)]
 
 
@@ -141,3 +144,29 @@ def test_every_unit_is_reported_once_and_the_workers_are_stopped(workers):
     cluster = FakeCluster()
     results = _run(cluster, _units(5), workers=workers)
     assert len(results) == 5 and cluster.started == workers and len(cluster.stopped) == workers
+
+
+def test_a_mix_of_isas_shares_its_workers_instead_of_one_worker_per_isa():
+    """avx2 and x86-64 units on a host that builds both: an avx2 worker builds x86-64 code too, so
+    both workers are avx2 ones and both take x86-64 units once the avx2 units are gone (one worker
+    per ISA idled while the other ISA's longer units ran on)."""
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0, "farm_cpu_x86_64": 2.0}
+    results = _run(cluster, _units(4, isa="avx2") + _units(4, isa="x86-64"))
+    assert all(r.status == "compiled" for r in results.values()) and cluster.started == 2 and not cluster.killed
+    assert {name.split("/")[2] for name, _ in cluster.ran} == {"farm_cpu_avx2"}
+    x86_by = Counter(name for name, label in cluster.ran if label == "aoti-cpu:x86-64")
+    assert len(x86_by) == 2 and sum(x86_by.values()) == 4  # both workers took some
+    assert [label for _, label in cluster.ran] == ["aoti-cpu:avx2"] * 4 + ["aoti-cpu:x86-64"] * 4  # own class first
+
+
+def test_an_isa_no_worker_covers_still_gets_its_own_workers():
+    """x86-64 workers never take avx2 units: a job of both on a host without AVX2 slots fails the
+    avx2 units it cannot place and builds the rest on x86-64 workers."""
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 2.0, "farm_cpu_x86_64": 2.0}
+    results = _run(cluster, _units(2, isa="avx2") + _units(2, isa="x86-64"))
+    assert [results[f"g{i}@aoti-cpu:avx2"].status for i in (0, 1)] == ["failed", "failed"]
+    assert "farm_cpu_avx2" in results["g0@aoti-cpu:avx2"].error
+    assert [results[f"g{i}@aoti-cpu:x86-64"].status for i in (0, 1)] == ["compiled", "compiled"]
+    assert {name.split("/")[2] for name, _ in cluster.ran} == {"farm_cpu_x86_64"}

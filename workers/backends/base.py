@@ -30,6 +30,9 @@ class Placement:
     cpus: float = 1.0
     gpus: float = 0.0
     unoffered: str = ""  # what to do when no node offers device_class, besides starting one that does
+    # device classes whose units a worker placed for this one builds too (its node offers them:
+    # an AVX2 host builds x86-64 code), so a job's mix of them needs no worker per class
+    covers: tuple[str, ...] = ()
 
     @property
     def resources(self) -> dict[str, float]:

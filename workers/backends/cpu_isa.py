@@ -110,7 +110,9 @@ class PinnedCpuTarget:
         return cxx.compiler()
 
     def placement(self, target: Target) -> Placement:
-        return Placement(isa_resource(self.isa(target)[0]))
+        name, isa = self.isa(target)
+        below = [other for other, o in ISAS.items() if o.simdlen < isa.simdlen]  # x86-64 < avx2 < avx512
+        return Placement(isa_resource(name), covers=tuple(isa_resource(other) for other in below))
 
     def offers(self, slots: int) -> dict[str, float]:
         return host_resources(slots)
