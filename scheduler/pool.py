@@ -11,6 +11,8 @@ The rules, and their tests without a cluster (tests/test_pool.py):
 - a worker whose class covers another's (an avx2 worker builds x86-64 code: `Placement.covers`)
   takes that class's units when its own queue is empty, and such classes get workers of the
   covering class, so a job's mix of ISAs shares its workers instead of idling one per class;
+- a class's units go out largest program first (a rough proxy for the longest compile), so
+  what is left at the end are small units that fill the gaps instead of one long one;
 - every unit is reported exactly once.
 The cluster's calls go through `Cluster` (scheduler/ray_pool.py has Ray's).
 """
@@ -134,6 +136,8 @@ class WorkerPool:
                                          f"{advice}", retryable=True)
                 events.finished(p.unit, result)
                 yield p.unit, result
+        for resource, queued in queues.items():  # largest first: the small ones left fill the gaps at the end
+            queues[resource] = collections.deque(sorted(queued, key=lambda p: -p.unit.program.size))
         self._covers = {r: set(self._placements[r][0].covers) & set(queues) for r in queues}
         budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))
         for i in range(budget):

@@ -160,6 +160,14 @@ def test_a_mix_of_isas_shares_its_workers_instead_of_one_worker_per_isa():
     assert [label for _, label in cluster.ran] == ["aoti-cpu:avx2"] * 4 + ["aoti-cpu:x86-64"] * 4  # own class first
 
 
+def test_a_class_s_largest_programs_go_out_first():
+    cluster = FakeCluster()
+    units = [Unit(f"g{i}", f"g{i}.pt2", Target("aoti-cpu", "avx2"), BlobRef(str(i) * 64, size)) for i, size in enumerate([5, 90, 40])]
+    results = _run(cluster, units)
+    assert all(r.status == "compiled" for r in results.values())
+    assert list(cluster.attempts) == ["g1@aoti-cpu:avx2", "g2@aoti-cpu:avx2", "g0@aoti-cpu:avx2"]  # submission order
+
+
 def test_an_isa_no_worker_covers_still_gets_its_own_workers():
     """x86-64 workers never take avx2 units: a job of both on a host without AVX2 slots fails the
     avx2 units it cannot place and builds the rest on x86-64 workers."""
