@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Protocol
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -88,6 +88,7 @@ class Cluster(Protocol):
     def pids(self, actors: list[Any]) -> list[int]: ...
     def kill(self, actor: Any) -> None: ...
     def offered(self) -> dict[str, float]: ...  # resources the cluster offers, e.g. {"CPU": 2, "farm_cpu_avx2": 2}
+    def nodes(self) -> list[dict[str, float]]: ...  # what each live node offers
     def stop(self, actors: list[Any]) -> None: ...  # at the end of a job
 
 
@@ -104,6 +105,7 @@ class WorkerPool:
     def _start(self, slot: _Slot, resource: str) -> None:
         slot.resource, slot.generation = resource, slot.generation + 1
         placement, device = self._placements[resource]
+        placement = replace(placement, holding=tuple(sorted(self._covers.get(resource, ()))))  # what it will take
         slot.actor = self.cluster.start(f"{self.job_id}/{slot.name}", placement, self._store_uri, self._limits, device)
         slot.ready = self.cluster.ready(slot.actor)
         slot.unit = slot.future = None
@@ -138,7 +140,9 @@ class WorkerPool:
                 yield p.unit, result
         for resource, queued in queues.items():  # largest first: the small ones left fill the gaps at the end
             queues[resource] = collections.deque(sorted(queued, key=lambda p: -p.unit.program.size))
-        self._covers = {r: set(self._placements[r][0].covers) & set(queues) for r in queues}
+        nodes = self.cluster.nodes()  # a worker takes a class it covers only where a node offers both
+        self._covers = {r: {c for c in self._placements[r][0].covers if c in queues and any(r in n and c in n for n in nodes)}
+                        for r in queues}
         budget = min(self.config.workers or 10**6, int(self._offered.get("CPU", 1)), sum(map(len, queues.values())))
         for i in range(budget):
             resource = self._most_starved(queues)

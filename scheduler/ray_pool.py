@@ -67,6 +67,9 @@ class RayCluster:
     def offered(self) -> dict[str, float]:
         return ray.cluster_resources()
 
+    def nodes(self) -> list[dict[str, float]]:
+        return [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
     def stop(self, actors: list[Any]) -> None:
         _stop(actors)
 

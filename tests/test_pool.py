@@ -34,10 +34,13 @@ class FakeCluster:
         self.attempts: Counter = Counter()
         self.ran: list[tuple[str, str]] = []  # (worker's name, unit's target) per submission
         self.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0}
+        self.node_offers: list[dict] = []  # per node; [offers] when empty
+        self.placed: list[dict] = []  # each started worker's custom resources
         self._ids = itertools.count()
 
     def start(self, name, placement, store_uri, limits, device):
         self.started += 1
+        self.placed.append(placement.resources)
         return {"id": next(self._ids), "name": name, "dies": self.starts(self.started) != "ok"}
 
     def ready(self, actor):
@@ -72,6 +75,9 @@ class FakeCluster:
 
     def offered(self):
         return self.offers
+
+    def nodes(self):
+        return self.node_offers or [self.offers]
 
     def stop(self, actors):
         self.stopped = [a["id"] for a in actors]
@@ -155,6 +161,7 @@ def test_a_mix_of_isas_shares_its_workers_instead_of_one_worker_per_isa():
     results = _run(cluster, _units(4, isa="avx2") + _units(4, isa="x86-64"))
     assert all(r.status == "compiled" for r in results.values()) and cluster.started == 2 and not cluster.killed
     assert {name.split("/")[2] for name, _ in cluster.ran} == {"farm_cpu_avx2"}
+    assert cluster.placed == [{"farm_cpu_avx2": 1.0, "farm_cpu_x86_64": 1.0}] * 2  # each holds an x86-64 slot too
     x86_by = Counter(name for name, label in cluster.ran if label == "aoti-cpu:x86-64")
     assert len(x86_by) == 2 and sum(x86_by.values()) == 4  # both workers took some
     assert [label for _, label in cluster.ran] == ["aoti-cpu:avx2"] * 4 + ["aoti-cpu:x86-64"] * 4  # own class first
@@ -166,6 +173,19 @@ def test_a_class_s_largest_programs_go_out_first():
     results = _run(cluster, units)
     assert all(r.status == "compiled" for r in results.values())
     assert list(cluster.attempts) == ["g1@aoti-cpu:avx2", "g2@aoti-cpu:avx2", "g0@aoti-cpu:avx2"]  # submission order
+
+
+def test_a_worker_takes_a_covered_isa_only_where_its_node_offers_it():
+    """Units route by what a node offers: where the avx2 node offers no x86-64 slots, the x86-64
+    units get x86-64 workers (on the node that offers them), and avx2 workers hold only avx2."""
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 2.0, "farm_cpu_avx2": 1.0, "farm_cpu_x86_64": 1.0}
+    cluster.node_offers = [{"CPU": 1.0, "farm_cpu_avx2": 1.0}, {"CPU": 1.0, "farm_cpu_x86_64": 1.0}]
+    results = _run(cluster, _units(2, isa="avx2") + _units(2, isa="x86-64"))
+    assert all(r.status == "compiled" for r in results.values())
+    assert {(name.split("/")[2], label) for name, label in cluster.ran} == {
+        ("farm_cpu_avx2", "aoti-cpu:avx2"), ("farm_cpu_x86_64", "aoti-cpu:x86-64")}
+    assert sorted(cluster.placed, key=str) == [{"farm_cpu_avx2": 1.0}, {"farm_cpu_x86_64": 1.0}]
 
 
 def test_an_isa_no_worker_covers_still_gets_its_own_workers():

@@ -30,14 +30,17 @@ class Placement:
     cpus: float = 1.0
     gpus: float = 0.0
     unoffered: str = ""  # what to do when no node offers device_class, besides starting one that does
-    # device classes whose units a worker placed for this one builds too (its node offers them:
-    # an AVX2 host builds x86-64 code), so a job's mix of them needs no worker per class
+    # device classes whose units a worker of this one can build too (an AVX2 host builds x86-64
+    # code), so a job's mix of them needs no worker per class
     covers: tuple[str, ...] = ()
+    # those of them a pool worker is placed to take: it holds one of each of their resources too,
+    # so it runs only where all are offered (scheduler/pool.py sets it)
+    holding: tuple[str, ...] = ()
 
     @property
     def resources(self) -> dict[str, float]:
         """The custom resources (Ray's `resources=` option)."""
-        return {self.device_class: 1.0}
+        return {self.device_class: 1.0, **{c: 1.0 for c in self.holding}}
 
 
 class Backend(Protocol):
