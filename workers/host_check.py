@@ -15,19 +15,14 @@ by checks it never uses. A gang's rank 0 that compiles while the other ranks sta
 ahead of those ranks' start."""
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import json
 import os
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-
-from filelock import FileLock
 
 from workers.backends import resolve
-from workers.backends.inductor_host import RECORDS, cpu_identity
+from workers.backends.inductor_host import cpu_identity, kept_on_host
 from workers.sandbox.env import inductor_cache_dir
 from workers.unit import Target
 
@@ -56,18 +51,6 @@ def _answer(target: Target) -> str | None:
         return backend.host_problem(target)
     asked = {"target": target.label, "host": cpu_identity(), "toolchain": backend.toolchain(target),
              "torch": importlib.metadata.version("torch"), "python": sys.executable}
-    digest = hashlib.sha256(json.dumps(asked, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    path = Path(inductor_cache_dir()) / RECORDS / f"{digest}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{path}.lock", timeout=600):
-        try:
-            if json.loads(path.read_text()) == {**asked, "problem": None}:
-                return None
-        except (OSError, ValueError):
-            pass  # not asked yet on this host and toolchain, or a torn file: ask
-        found = backend.host_problem(target)
-        if found is None:
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({**asked, "problem": None}, default=str))
-            os.replace(partial, path)
-        return found
+    answer = kept_on_host(inductor_cache_dir(), "", asked, lambda: {"problem": backend.host_problem(target)},
+                          keep=lambda record: record.get("problem") is None)  # a problem is asked again
+    return answer["problem"]

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from filelock import FileLock
 
@@ -53,23 +53,34 @@ def _cpuinfo(field: str) -> str:
 
 @functools.cache
 def inductor_host() -> dict[str, Any]:
-    """{"vec_isas": [...], "can_pin": bool} for this host, from the record or from Inductor."""
+    """{"vec_isas": [...], "can_pin": bool, ...} for this host, from the record or from Inductor."""
     asked = {"cpu": cpu_identity(), "compiler": cxx.compiler(), "torch": standalone("version.py").__version__,
              "python": sys.executable}
-    digest = hashlib.sha256(json.dumps(asked, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    path = Path(inductor_cache_dir()) / RECORDS / f"inductor-host-{digest}.json"
+    return kept_on_host(inductor_cache_dir(), "inductor-host-", asked, _ask_inductor, _valid)
+
+
+def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Callable[[], dict[str, Any]],
+                 keep: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """compute()'s answer to `asked`, kept in Inductor's cache dir for every process of this host
+    that asks the same: the first computes it under a file lock, the others read it. A record that
+    does not parse, answers something else or that `keep` refuses is computed again, and an answer
+    `keep` refuses is not written (workers/host_check.py keeps only a "yes")."""
+    asked = json.loads(json.dumps(asked, default=str))  # as it reads back
+    digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:32]
+    path = Path(cache_dir) / RECORDS / f"{kind}{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock", timeout=600):
         try:
             record = json.loads(path.read_text())
-            if _valid(record, asked):
+            if isinstance(record, dict) and all(record.get(k) == v for k, v in asked.items()) and keep(record):
                 return record
         except (OSError, ValueError):
             pass  # not asked yet on this host, or a torn file: ask
-        record = {**_ask_inductor(), "asked": asked}
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(record, default=str))
-        os.replace(partial, path)
+        record = {**compute(), **asked}
+        if keep(record):
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(record))
+            os.replace(partial, path)
         return record
 
 
@@ -80,7 +91,6 @@ def _ask_inductor() -> dict[str, Any]:
             "can_pin": hasattr(config.cpp, "march")}  # `cpp.march` is newer than torch 2.11
 
 
-def _valid(record: Any, asked: dict[str, Any]) -> bool:
-    return (isinstance(record, dict) and json.loads(json.dumps(asked, default=str)) == record.get("asked")
-            and isinstance(record.get("can_pin"), bool) and isinstance(record.get("vec_isas"), list)
+def _valid(record: dict[str, Any]) -> bool:
+    return (isinstance(record.get("can_pin"), bool) and isinstance(record.get("vec_isas"), list)
             and all(isinstance(i, str) and len(i) < 100 for i in record["vec_isas"]))
