@@ -14,7 +14,7 @@ from farm.cli_common import StoreOpt
 from farm.cli_common import fail as _fail
 from farm.cli_common import open_store as _open_store
 from farm.zoo_cli import zoo_app
-from scheduler.spec import JobSpec, SpecError, VerifySpec, load_job, parse_job
+from scheduler.spec import JobSpec, SpecError, TargetSpec, VerifySpec, load_job, parse_job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
 app.add_typer(zoo_app, name="zoo")
@@ -71,11 +71,14 @@ def compile(
     rtol: float = typer.Option(VerifySpec().rtol, help="verification relative tolerance"),
     weights: str = typer.Option(JobSpec.model_fields["weights"].default,
                                 help="values: an artifact per checkpoint; shapes: one per architecture"),
+    mode: str = typer.Option(TargetSpec.model_fields["mode"].default,
+                             help="inference, or train: forward and backward of a training step"),
 ) -> None:
     """Compile graphs for targets in this process and print a results table."""
     try:
+        targets = [t if "+" in t else f"{t}+{mode}" for t in target]
         job = parse_job(
-            {"name": "compile", "graphs": [str(g) for g in graphs], "targets": target, "modules": module,
+            {"name": "compile", "graphs": [str(g) for g in graphs], "targets": targets, "modules": module,
              "verify": {"atol": atol, "rtol": rtol}, "weights": weights},
             "command line", base_dir=Path.cwd(),
         )

@@ -33,7 +33,8 @@ def ingest(store: Store, source: str) -> BlobRef:
 
 
 def _target(t: TargetSpec, job: JobSpec) -> Target:
-    return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())), weights=job.weights)
+    return Target(backend=t.backend, isa=t.isa, options=tuple(sorted(t.options.items())), weights=job.weights,
+                  mode=t.mode)
 
 
 def _limits(job: JobSpec, t: TargetSpec) -> UnitLimits:

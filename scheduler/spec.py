@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from workers.autotune.space import DEFAULT_SPACE, resolve_space
-from workers.unit import BenchPolicy, Unit, UnitLimits, VerifyPolicy
+from workers.unit import BenchPolicy, Mode, Unit, UnitLimits, VerifyPolicy
 
 RETRIES = 2  # re-queues of a unit whose worker died, unless the job or the command line says otherwise
 
@@ -140,6 +140,8 @@ class AutotuneSpec(_Strict):
 class TargetSpec(_Strict):
     backend: str = Field(description="lowering backend, e.g. aoti-cpu")
     isa: str | None = None
+    mode: Mode = Field("inference", description="inference: the forward only; train: forward and backward of a "
+                                                "training step (inductor-cache, aot-compile)")
     options: dict[str, Any] = {}
     timeout_s: float | None = Field(None, gt=0, description="overrides limits.timeout_s for this target's units")
     autotune: AutotuneSpec | None = Field(None, description="compile candidates in parallel and keep the fastest")
@@ -159,10 +161,11 @@ class TargetSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, v: Any) -> Any:
-        """'aoti-cpu' or 'aoti-cpu:avx512'."""
+        """'aoti-cpu', 'aoti-cpu:avx512', or with the mode as target labels write it: 'inductor-cache:avx2+train'."""
         if isinstance(v, str):
+            v, _, mode = v.partition("+")
             backend, _, isa = v.partition(":")
-            return {"backend": backend, "isa": isa or None}
+            return {"backend": backend, "isa": isa or None, **({"mode": mode} if mode else {})}
         return v
 
 

@@ -9,6 +9,9 @@ from storage import BlobRef, Transfer
 
 Status = Literal["compiled", "hit", "failed", "skipped"]
 WeightsMode = Literal["values", "shapes"]
+# inference: the artifact serves forward calls; train: forward and backward of a training step
+Mode = Literal["inference", "train"]
+MODES: tuple[Mode, ...] = ("inference", "train")
 COMPILE_PHASES = ("lower", "verify", "benchmark")
 
 
@@ -23,10 +26,12 @@ class Target:
     candidate: str | None = None  # the autotune candidate these options come from, if any
     # inductor-cache in a gang: `<input>.<dim>`s every rank marks dynamic before torch.compile sees them
     mark_dynamic: tuple[str, ...] = ()
+    mode: Mode = "inference"
 
     @property
     def base_label(self) -> str:
-        return f"{self.backend}:{self.isa}" if self.isa else self.backend
+        label = f"{self.backend}:{self.isa}" if self.isa else self.backend
+        return label if self.mode == "inference" else f"{label}+{self.mode}"
 
     @property
     def label(self) -> str:

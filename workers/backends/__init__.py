@@ -39,6 +39,10 @@ def resolve(target: Target) -> Backend:
     """The backend for a target, once the target is known to make sense for it."""
     backend = get_backend(target.backend)
     backend.validate(target)
+    if target.mode not in backend.modes:
+        trains = ", ".join(n for n, b in _registry().items() if target.mode in b.modes)
+        raise LoweringError(f"target {target.label}: {target.backend} has no {target.mode} mode; "
+                            f"targets that compile a training step: {trains}")
     if target.weights == "shapes" and backend.weights_in_code:
         raise LoweringError(f"target {target.label} bakes weights into its code, so `weights: shapes` cannot apply; "
                             f"use `weights: values`")

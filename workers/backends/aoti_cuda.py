@@ -58,6 +58,7 @@ class AotiCuda:
     name = "aoti-cuda"
     weights_in_code = False  # as aoti-cpu: `weights: shapes` keeps them out of the code
     device = "cuda"
+    modes = ("inference",)
 
     def arch(self, target: Target) -> str:
         """The SM the artifact is for: the target's, or this worker's GPU's."""

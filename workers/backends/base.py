@@ -49,6 +49,8 @@ class Backend(Protocol):
     weights_in_code: bool
     # Where the program, its example inputs and the artifact run: "cpu" or "cuda".
     device: str
+    # What its artifacts serve: ("inference",), or also "train" (forward and backward of a step).
+    modes: tuple[str, ...]
 
     def validate(self, target: Target) -> None:
         """Raise LoweringError if the target's fields make no sense for this backend."""

@@ -51,6 +51,7 @@ class CoreAten:
     name = "core-aten"
     weights_in_code = True  # the saved program carries its weights
     device = "cpu"
+    modes = ("inference",)
 
     def __init__(self) -> None:
         self._lowered: tuple[str, dict[str, int]] | None = None  # the last artifact and its ops, for describe

@@ -92,6 +92,7 @@ class PinnedCpuTarget:
 
     name: str
     device = "cpu"
+    modes: tuple[str, ...] = ("inference",)
 
     def isa(self, target: Target) -> tuple[str, Isa]:
         name = target.isa or DEFAULT_ISA

@@ -110,6 +110,7 @@ class ExecuTorch:
     name = "executorch"
     weights_in_code = True  # a .pte holds its weights as constants
     device = "cpu"
+    modes = ("inference",)
 
     def delegate(self, target: Target) -> str:
         if target.isa not in DELEGATES:

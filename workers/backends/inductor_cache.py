@@ -10,13 +10,16 @@ Inductor config, gets FX graph cache hits instead of compiles.
 The ISA is pinned like `aoti-cpu` (`cpp.march`, `cpp.simdlen`): those settings are part of
 Inductor's cache key, so the serving process must set the same ones; the manifest records
 them under `artifact.serving_config`.
+
+`mode: train` compiles a training step instead (workers/backends/train_bundle.py): forward and
+backward, with the compiled kernels shipped beside the bundle.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from workers.backends import cpu_isa
+from workers.backends import cpu_isa, train_bundle
 from workers.backends.base import LoweringError
 from workers.unit import Target
 
@@ -37,7 +40,7 @@ def _compiled(module: torch.nn.Module, configs: dict[str, Any], vec_isa: str) ->
     return run
 
 
-def _mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> None:
+def mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> None:
     """A gang's agreement: these `<input>.<dim>`s are dynamic from the first call on every rank,
     instead of each rank's automatic-dynamic deciding on the sizes it happened to see (maybe_:
     a dimension the graph specializes stays static, on every rank alike)."""
@@ -53,15 +56,21 @@ def _mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> N
 class InductorCache(cpu_isa.PinnedCpuTarget):
     name = "inductor-cache"
     weights_in_code = False  # torch.compile takes parameters and buffers as graph inputs
+    modes = ("inference", "train")
 
     def target_components(self, target: Target) -> dict[str, Any]:
         marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
-        return {**super().target_components(target), **marks}
+        mode = {"mode": target.mode} if target.mode != "inference" else {}  # inference keys stay as they were
+        return {**super().target_components(target), **marks, **mode}
 
     def _configs(self, target: Target) -> dict[str, Any]:
-        return {**target.options_dict, **self.isa(target)[1].inductor_configs}
+        configs = {**target.options_dict, **self.isa(target)[1].inductor_configs}
+        return {**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
+        if target.mode == "train":
+            pin = train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
+            return train_bundle.lower(ep, pin, target.mark_dynamic, workdir)
         import torch
         from torch.compiler._cache import CacheArtifactManager
 
@@ -74,7 +83,7 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         run = _compiled(ep.module(), self._configs(target), self.isa(target)[1].vec_isa)
         torch._dynamo.utils.counters.clear()
         for inputs in input_sets(ep):
-            _mark_dynamic(ep, inputs.args, target.mark_dynamic)
+            mark_dynamic(ep, inputs.args, target.mark_dynamic)
             run(*inputs.args, **inputs.kwargs)
         saved = torch.compiler.save_cache_artifacts()
         if saved is None or not saved[1].artifacts.get("inductor"):
@@ -91,6 +100,9 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         problem = self.host_problem(target)
         if problem:
             raise LoweringError(problem, retryable=True)
+        if target.mode == "train":
+            pin = train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
+            return train_bundle.load(artifact, pin, ep)
         info = torch.compiler.load_cache_artifacts(artifact.read_bytes())
         if info is None:
             raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
@@ -100,6 +112,8 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         import torch
 
         configs = self._configs(target)
+        if target.mode == "train":
+            return train_bundle.describe(artifact, self.isa(target)[0], configs)
         return {
             "format": "torch-compile-cache-artifacts",
             "isa": self.isa(target)[0],

@@ -36,9 +36,11 @@ def _time_cuda(fn: Callable, inputs: InputSet) -> float:
     return start.elapsed_time(end)
 
 
-def measure(fn: Callable, inputs: InputSet, warmup: int, repeat: int, device: str = "cpu") -> Timing:
+def measure(fn: Callable, inputs: InputSet, warmup: int, repeat: int, device: str = "cpu",
+            grad: bool = False) -> Timing:
+    """grad: fn is a training step (forward and backward), timed with autograd on."""
     once = _time_cuda if device == "cuda" else _time_cpu
-    with torch.inference_mode():
+    with torch.enable_grad() if grad else torch.inference_mode():
         for _ in range(warmup):
             fn(*inputs.args, **inputs.kwargs)
         if device == "cuda":

@@ -19,7 +19,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
 
 
-def _compare(eager: Any, compiled: Any, atol: float, rtol: float, label: str, report: VerifyReport) -> None:
+def compare(eager: Any, compiled: Any, atol: float, rtol: float, label: str, report: VerifyReport) -> None:
     e_leaves, c_leaves = pytree.tree_leaves(eager), pytree.tree_leaves(compiled)
     if len(e_leaves) != len(c_leaves):
         report.problems.append(f"{label}: {len(c_leaves)} outputs, eager gave {len(e_leaves)}")
@@ -56,7 +56,7 @@ def verify(eager: Callable, compiled: Callable, inputs: list[InputSet], atol: fl
             except Exception as e:  # the artifact rejected a size inside the declared range
                 report.problems.append(f"{s.label}: compiled artifact raised {type(e).__name__}: {e}")
                 continue
-            _compare(want, got, atol, rtol, s.label, report)
+            compare(want, got, atol, rtol, s.label, report)
             report.checked.append(s.label)
     report.ok = not report.problems
     return report

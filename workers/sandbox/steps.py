@@ -20,7 +20,8 @@ from workers.autotune.specialize import reexport, specialization_problems, speci
 from workers.backends import LoweringError, resolve
 from workers.check.benchmark import measure
 from workers.check.inputs import dynamic_dims, input_sets, inputs_at
-from workers.check.verify import verify
+from workers.check.train import random_ops, step, verify_training
+from workers.check.verify import VerifyReport, verify
 from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
 from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
@@ -171,7 +172,7 @@ class Steps(GangSteps):
         except ValueError as e:
             raise StepFailed(str(e)) from e
         if verify_it:
-            report = verify(self.eager_reference(ep), compiled, sets, unit.verify.atol, unit.verify.rtol)
+            report = self._verify(unit, ep, compiled, sets)
             print(f"verified on {', '.join(report.checked)}: max abs {report.max_abs_err:.3g}, "
                   f"max rel {report.max_rel_err:.3g}")
             out["metrics"].update(max_abs_err=report.max_abs_err, max_rel_err=report.max_rel_err)
@@ -182,6 +183,19 @@ class Steps(GangSteps):
             with alone_on_device(device):
                 out["metrics"].update(self._benchmark(unit, ep, compiled, sets[0], device))
         return out
+
+    def _verify(self, unit: Unit, ep: ExportedProgram, compiled: Any, sets: list) -> VerifyReport:
+        atol, rtol = unit.verify.atol, unit.verify.rtol
+        if unit.target.mode == "inference":
+            return verify(self.eager_reference(ep), compiled, sets, atol, rtol)
+        drawn = random_ops(ep)
+        seeded = bool(unit.target.options_dict.get("fallback_random"))
+        if drawn and not seeded:
+            return VerifyReport(ok=False, max_abs_err=0.0, max_rel_err=0.0, problems=[
+                f"the program draws random numbers ({', '.join(drawn)}), which Inductor draws differently from eager, "
+                "so its gradients cannot be compared; add the option fallback_random: true to the target (Inductor "
+                "then draws as eager does), or export the model in eval mode"])
+        return verify_training(self.eager_reference(ep), compiled, sets, atol, rtol, seeded=bool(drawn))
 
     def _load_artifact(self, unit: Unit, ep: ExportedProgram, path: Path) -> Any:
         if self._compiled is not None and self._compiled[0] == str(path):
@@ -197,8 +211,12 @@ class Steps(GangSteps):
         return compiled
 
     def _benchmark(self, unit: Unit, ep: ExportedProgram, compiled: Any, inputs: Any, device: str) -> dict[str, float]:
-        eager = measure(self.eager_reference(ep), inputs, unit.bench.warmup, unit.bench.repeat, device)
-        fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat, device)
+        """Forward calls, or in `mode: train` whole training steps (forward and backward)."""
+        train = unit.target.mode == "train"
+        as_run = step if train else (lambda fn: fn)
+        eager = measure(as_run(self.eager_reference(ep)), inputs, unit.bench.warmup, unit.bench.repeat, device, train)
+        compiled = as_run(compiled)
+        fast = measure(compiled, inputs, unit.bench.warmup, unit.bench.repeat, device, train)
         metrics = dict(eager_ms=eager.median_ms, compiled_ms=fast.median_ms, compiled_spread_ms=fast.spread_ms,
                        speedup=eager.median_ms / fast.median_ms)
         print(f"eager {eager.median_ms:.3f} ms, compiled {fast.median_ms:.3f} ms ± {fast.spread_ms:.3f} "
@@ -208,7 +226,7 @@ class Steps(GangSteps):
         for where, size in unit.hot_sizes:  # where a specialization would compete with this artifact
             if where in dims:
                 at = inputs_at(exported, {dims[where][0]: size}, f"{where}={size}", torch.Generator().manual_seed(0))
-                hot = measure(compiled, at.to(device), unit.bench.warmup, unit.bench.repeat, device)
+                hot = measure(compiled, at.to(device), unit.bench.warmup, unit.bench.repeat, device, train)
                 metrics.update({f"compiled_ms@{where}={size}": hot.median_ms,
                                 f"compiled_spread_ms@{where}={size}": hot.spread_ms})
                 print(f"at {where}={size}: compiled {hot.median_ms:.3f} ms ± {hot.spread_ms:.3f}")

@@ -1,0 +1,186 @@
+"""Inductor's compiled CPU kernels, shipped with a training bundle so a fresh machine compiles nothing.
+
+A torch.compile cache bundle (Mega-Cache) carries kernel *source*: loading it in a process with
+an empty Inductor cache dir runs g++ again for every kernel (11.8 s of a 21.7 s cold start,
+measured on the smoke MLP). Inductor looks for a kernel's binary at a path named by the hash of
+its source and its build command, under its cache dir, before it compiles; so the farm records
+which binaries the lowering loaded, ships them, and the consumer puts them at the same relative
+paths. That works only where the consumer's build command is the producer's (compiler, flags,
+include paths): `build_command` is recorded, and a consumer on another one is refused instead
+of compiling every kernel without a word.
+
+The artifact is a tar (not a zip: zips are checked as .pt2 archives): `bundle.bin`,
+`facts.json`, `kernels/<path under the cache dir>`.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from workers.backends.base import LoweringError
+
+MAX_MEMBERS = 4096
+MAX_BYTES = 4 << 30  # a bundle's kernels, all together
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[list[str]]:
+    """The paths of the kernel binaries Inductor loads in the block. In-process caches are
+    cleared first: a long-lived worker that loaded a kernel for an earlier unit would otherwise
+    reuse it without loading it again, and this unit's bundle would miss it."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()
+    loaded: list[str] = []
+    original = CppCodeCache._load_library.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: Any, path: str, key: str) -> Any:
+        loaded.append(path)
+        return original(cls, path, key)
+
+    CppCodeCache._load_library = classmethod(recording)  # type: ignore[method-assign]
+    try:
+        yield loaded
+    finally:
+        CppCodeCache._load_library = classmethod(original)  # type: ignore[method-assign]
+
+
+def build_command() -> list[str]:
+    """The command Inductor builds a vectorized CPU kernel with in this process, as it hashes
+    it into the kernel's path (call it with the target's ISA pinned)."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    options = CppTorchDeviceOptions(compile_only=True, min_optimize=False, device_type="cpu", vec_isa=pick_vec_isa(),
+                                    extra_flags=(), use_relative_path=False, **CppCodeCache.cpp_compile_command_flags)
+    return CppBuilder(name="o", sources="i", BuildOption=options).get_command_line().split()
+
+
+def build_problem(recorded: list[str]) -> str | None:
+    """Why this process would not find the shipped kernels (its build command differs), or None."""
+    ours = build_command()
+    if ours == recorded:
+        return None
+    only_theirs = [t for t in recorded if t not in ours][:6]
+    only_ours = [t for t in ours if t not in recorded][:6]
+    return ("this process builds Inductor's CPU kernels with another command than the farm worker did, so it would "
+            f"compile every kernel again (the farm's has {only_theirs or 'nothing more'}, this one has "
+            f"{only_ours or 'nothing more'}); use the same compiler and torch install path as the farm's workers, "
+            "or compile on a worker like this machine")
+
+
+def pack(out: Path, bundle: bytes, kernels: list[str], facts: dict[str, Any]) -> int:
+    """Write the artifact; returns how many kernels it holds. Kernels outside Inductor's cache
+    dir (none expected) and ISA probe builds are left out."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir()).resolve()
+    names: dict[str, Path] = {}
+    for path in kernels:
+        p = Path(path).resolve()
+        if p.is_relative_to(root) and p.is_file() and "_chk_kernel" not in p.name:
+            names[p.relative_to(root).as_posix()] = p
+    with tarfile.open(out, "w") as tar:
+        for name, data in (("bundle.bin", bundle), ("facts.json", json.dumps(facts, sort_keys=True).encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, p in sorted(names.items()):
+            tar.add(p, arcname=f"kernels/{name}", recursive=False)
+    return len(names)
+
+
+@dataclass
+class Unpacked:
+    bundle: bytes
+    facts: dict[str, Any]
+    kernels: dict[str, bytes]  # path under Inductor's cache dir → the binary
+
+
+def _member_problem(m: tarfile.TarInfo) -> str | None:
+    if m.name in ("bundle.bin", "facts.json"):
+        return None if m.isfile() else "is not a plain file"
+    parts = Path(m.name).parts
+    if parts[0] != "kernels" or len(parts) < 2 or ".." in parts or m.name.startswith("/"):
+        return "is not a kernel under kernels/"
+    if not m.isfile() or not m.name.endswith(".so"):
+        return "is not a plain .so file"
+    return None
+
+
+def unpack(artifact: Path, label: str) -> Unpacked:
+    """Read an artifact from the store (hostile input): plain files only, named as `pack` names
+    them, within size limits. Nothing is written to disk here."""
+    try:
+        with tarfile.open(artifact, "r:") as tar:
+            members = tar.getmembers()
+            if len(members) > MAX_MEMBERS or sum(m.size for m in members) > MAX_BYTES:
+                raise LoweringError(f"{label}: {len(members)} members, {sum(m.size for m in members)} bytes: over "
+                                    f"the limits of a training bundle ({MAX_MEMBERS} members, {MAX_BYTES} bytes)")
+            files: dict[str, bytes] = {}
+            for m in members:
+                problem = _member_problem(m)
+                if problem:
+                    raise LoweringError(f"{label}: member {m.name!r} {problem}; the artifact is damaged or not the farm's")
+                files[m.name] = tar.extractfile(m).read()  # type: ignore[union-attr]
+    except tarfile.TarError as e:
+        raise LoweringError(f"{label} is not a training bundle the farm wrote ({e})") from e
+    if "bundle.bin" not in files or "facts.json" not in files:
+        raise LoweringError(f"{label} lacks bundle.bin or facts.json; the artifact is damaged or not the farm's")
+    try:
+        facts = json.loads(files.pop("facts.json"))
+    except ValueError as e:
+        raise LoweringError(f"{label}: facts.json is not JSON ({e})") from e
+    if not isinstance(facts, dict):
+        raise LoweringError(f"{label}: facts.json is not a JSON object")
+    return Unpacked(files.pop("bundle.bin"), facts, {k.removeprefix("kernels/"): v for k, v in files.items()})
+
+
+def install(kernels: dict[str, bytes]) -> int:
+    """Put the kernels where Inductor looks for them; returns how many were not there yet. Each
+    one is written beside its place and renamed into it, so a process compiling at the same
+    moment never loads half a file."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir())
+    added = 0
+    for name, data in kernels.items():
+        dest = root / name
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".farm-", suffix=".so")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dest)
+        added += 1
+    return added
+
+
+def _binaries(root: Path) -> set[Path]:
+    return {p for p in root.glob("*/*.so") if "_chk_kernel" not in p.name}
+
+
+@contextlib.contextmanager
+def counting_builds() -> Iterator[list[str]]:
+    """The kernel binaries Inductor builds in the block, filled in when it ends. Counted on disk:
+    Inductor may build in a pool of subprocesses, out of reach of anything patched here."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir())
+    before = _binaries(root)
+    built: list[str] = []
+    try:
+        yield built
+    finally:
+        built.extend(sorted(str(p) for p in _binaries(root) - before))

@@ -1,0 +1,147 @@
+"""`inductor-cache` in `mode: train`: a training step's cache bundle, forward and backward, with
+the compiled kernels (workers/backends/kernels.py).
+
+The module trained is `ep.module()`, compiled in place (`nn.Module.compile`), so its
+parameters keep the model's names for `load_state_dict` and optimizers (a `torch.compile(m)`
+wrapper prefixes each with `_orig_mod.`).
+
+The ISA pin must hold for the backward too. AOTAutograd compiles a backward lazily, at the
+first `.backward()`, outside anything wrapped around the forward call: pinned only there, the
+backward's kernels came out with AVX-512 instructions on an AVX2 target. So the lowering runs
+both halves pinned. At load, a bundle hit brings both halves in at the first forward call,
+which is pinned.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from workers.backends import cpu_isa, kernels
+from workers.backends.base import LoweringError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.export import ExportedProgram
+
+# The precompiled header is built in the consumer too, before Inductor looks for a kernel's
+# binary (one more g++ run on a fresh machine); without it a shipped kernel is all it needs.
+# This setting is part of Inductor's cache key, so producer and consumer both set it.
+TRAIN_CONFIGS = {"cpp_cache_precompile_headers": False}
+FORMAT = "farm-training-bundle"
+
+
+@dataclass(frozen=True)
+class Pin:
+    configs: dict[str, Any]  # Inductor config, ISA included
+    vec_isa: str
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        import torch
+
+        with cpu_isa.only_vec_isa(self.vec_isa), torch._inductor.config.patch(self.configs):
+            yield
+
+
+def trainable(module: torch.nn.Module, pin: Pin) -> torch.nn.Module:
+    """`module`, compiled in place, each call under the pin (Module.__call__ runs
+    `_compiled_call_impl` when set: wrapping it is the one way to hold the pin around the
+    compiled call while the module keeps its own names)."""
+    module.compile()
+    compiled_call = module._compiled_call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with pin.held():
+            return compiled_call(*args, **kwargs)
+
+    module._compiled_call_impl = call
+    return module
+
+
+def _backward_problem() -> str | None:
+    import torch
+
+    aot = torch._dynamo.utils.counters["aot_autograd"]
+    # a graph is complete once saved (its backward compiled) or found whole in the cache
+    total, bypassed = aot["total"], aot["autograd_cache_bypass"]
+    saved = aot["autograd_cache_saved"] + aot["autograd_cache_hit"]
+    if total == 0:
+        return "Dynamo captured no graph for AOTAutograd (did every call fall back to eager?)"
+    if bypassed:
+        return f"AOTAutograd could not cache {bypassed} of {total} graphs (see the unit log for why), so the bundle would lack them"
+    if saved < total:
+        return (f"the bundle would lack the backward of {total - saved} of {total} graphs (AOTAutograd saves a graph "
+                "once its backward is compiled); refusing to publish a training bundle without its backward")
+    return None
+
+
+def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) -> Path:
+    import torch
+    from torch.compiler._cache import CacheArtifactManager
+
+    from workers.backends.inductor_cache import mark_dynamic
+    from workers.check.inputs import input_sets
+    from workers.check.train import random_ops, saved_for_backward, step
+
+    torch._dynamo.reset()  # a long-lived worker: forget what earlier units compiled
+    CacheArtifactManager.clear()  # …and what they recorded, so the bundle holds this unit only
+    module = trainable(ep.module(), pin)
+    torch._dynamo.utils.counters.clear()
+    sets = input_sets(ep)
+    with kernels.capturing() as loaded, pin.held():
+        for inputs in sets:
+            mark_dynamic(ep, inputs.args, marks)
+            step(module)(*inputs.args, **inputs.kwargs)
+        build = kernels.build_command()
+    problem = _backward_problem()
+    if problem:
+        raise LoweringError(problem)
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None or not saved[1].artifacts.get("inductor"):
+        raise LoweringError("torch.compile recorded no Inductor cache artifacts (did every call fall back to eager?)")
+    aot = torch._dynamo.utils.counters["aot_autograd"]
+    facts = {
+        "format": FORMAT,
+        "graphs": {"forward": int(aot["total"]), "backward": int(aot["autograd_cache_saved"] + aot["autograd_cache_hit"]),
+                   "inductor_entries": len(saved[1].artifacts["inductor"])},
+        "saved_for_backward": {**saved_for_backward(module(*sets[0].args, **sets[0].kwargs), list(module.parameters())),
+                               "at": sets[0].label},
+        "build_command": build,
+        # how verification made random draws comparable (workers/sandbox/steps.py refuses otherwise)
+        "randomness": {"ops": random_ops(ep), "verified_with": "fallback_random" if pin.configs.get("fallback_random") else None},
+    }
+    out = workdir / "training-bundle.tar"
+    kernels.pack(out, saved[0], loaded, facts)
+    return out
+
+
+def load(artifact: Path, pin: Pin, ep: ExportedProgram) -> torch.nn.Module:
+    """The trainable module, with the bundle loaded and its kernels in Inductor's cache dir.
+    Refuses a bundle this process would compile kernels for instead of using them."""
+    import torch
+
+    unpacked = kernels.unpack(artifact, str(artifact))
+    with pin.held():
+        problem = kernels.build_problem(list(unpacked.facts.get("build_command") or []))
+    if problem:
+        raise LoweringError(problem)
+    kernels.install(unpacked.kernels)
+    if torch.compiler.load_cache_artifacts(unpacked.bundle) is None:
+        raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
+    return trainable(ep.module(), pin)
+
+
+def describe(artifact: Path, isa: str, configs: dict[str, Any]) -> dict[str, Any]:
+    with tarfile.open(artifact, "r:") as tar:  # our own, just written
+        facts = json.load(tar.extractfile("facts.json"))  # type: ignore[arg-type]
+        shipped = sum(1 for m in tar.getmembers() if m.name.startswith("kernels/"))
+    return {
+        "format": FORMAT, "mode": "train", "isa": isa, "serving_config": configs, "grad_mode": "enabled",
+        "graphs": facts["graphs"], "saved_for_backward": facts["saved_for_backward"], "kernels": shipped,
+        "build_command": facts["build_command"], "randomness": facts["randomness"],
+        "load": "farm.client.warm_start(program, store=URI, target='inductor-cache', mode='train')",
+    }
