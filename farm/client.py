@@ -18,6 +18,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from farm.loading import load_compiled, load_tuned
+from farm.warm import WarmStartError, warm_start
 from scheduler.jobs import Events, JobOutcome, NoEvents, execute, new_job_id, read_status
 from scheduler.spec import JobSpec, load_job, parse_job
 from storage import CacheConfig, Store, UnknownKey, store_from_uri
@@ -25,7 +26,8 @@ from storage.results import read_results_table
 from storage.stats import STATS_FILE
 from storage.uri import default_store
 
-__all__ = ["JobHandle", "UnknownJob", "fetch", "job", "load_compiled", "load_tuned", "resolve_job", "run", "submit"]
+__all__ = ["JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned", "resolve_job", "run",
+           "submit", "warm_start"]
 
 class UnknownJob(ValueError):
     """No job, or more than one, answers to the id (or prefix) asked for."""

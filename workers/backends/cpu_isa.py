@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from workers.backends import cxx
 from workers.backends.base import LoweringError, Placement
-from workers.backends.inductor_host import cpu_model, inductor_host
+from workers.backends.inductor_host import can_pin as _can_pin
+from workers.backends.inductor_host import cpu_model, inductor_host, inductor_host_known
 from workers.unit import Target
 
 if TYPE_CHECKING:
@@ -53,12 +55,32 @@ def host_vec_isas() -> set[str]:
     return set(inductor_host()["vec_isas"])
 
 
+def _one_vec_isa(name: str) -> list[Any]:
+    """[Inductor's ISA `name`] if this host can build and run it, else []: Inductor's own check
+    (CPU flags, then a probe build loaded in a subprocess) for that one ISA. Its check of every
+    ISA costs a fresh machine ~10 g++ builds (8 s here) before a pinned model's first step."""
+    cpu_vec_isa = _cpu_vec_isa()
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [i for i in cpu_vec_isa.supported_vec_isa_list
+            if str(i) == name and all(f in flags for f in name.split()) and i]
+
+
+def host_runs(vec_isa: str) -> bool:
+    """Whether this host builds and runs `vec_isa`: from the host's record if it has one; else,
+    where torch is imported already (a sandbox, a training process), Inductor's check of that
+    ISA alone; else the record, asked."""
+    known = inductor_host_known()
+    if known is None and "torch" in sys.modules:
+        return bool(_one_vec_isa(vec_isa))
+    return vec_isa in (known or inductor_host())["vec_isas"]
+
+
 @contextlib.contextmanager
 def only_vec_isa(name: str) -> Iterator[None]:
     """Make Inductor see exactly one vector ISA while it compiles (one compile per process)."""
     cpu_vec_isa = _cpu_vec_isa()
     original = cpu_vec_isa.valid_vec_isa_list
-    chosen = [i for i in original() if str(i) == name]
+    chosen = _one_vec_isa(name) if name else []
     cpu_vec_isa.valid_vec_isa_list = lambda: chosen  # type: ignore[assignment]
     try:
         yield
@@ -84,7 +106,10 @@ def host_resources(slots: int) -> dict[str, float]:
 
 def can_pin() -> bool:
     """Whether this torch's Inductor can pin the ISA at all (`cpp.march` is newer than torch 2.11)."""
-    return inductor_host()["can_pin"]
+    known = inductor_host_known()
+    if known is None and "torch" in sys.modules:
+        return _can_pin()
+    return (known or inductor_host())["can_pin"]
 
 
 class PinnedCpuTarget:
@@ -126,8 +151,8 @@ class PinnedCpuTarget:
 
     def host_problem(self, target: Target) -> str | None:
         name, isa = self.isa(target)
-        have = host_vec_isas()
-        if isa.vec_isa and isa.vec_isa not in have:
+        if isa.vec_isa and not host_runs(isa.vec_isa):
+            have = host_vec_isas()
             return f"this host cannot build or run {name} code (it has: {', '.join(sorted(have)) or 'no vector ISA'})"
         if not can_pin():
             return (f"torch {importlib.metadata.version('torch')} cannot pin Inductor's CPU ISA (it has no cpp.march setting), so "

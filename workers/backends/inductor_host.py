@@ -51,20 +51,29 @@ def _cpuinfo(field: str) -> str:
         return ""
 
 
+def _asked() -> dict[str, Any]:
+    return {"cpu": cpu_identity(), "compiler": cxx.compiler(), "torch": standalone("version.py").__version__,
+            "python": sys.executable}
+
+
 @functools.cache
 def inductor_host() -> dict[str, Any]:
     """{"vec_isas": [...], "can_pin": bool, ...} for this host, from the record or from Inductor."""
-    asked = {"cpu": cpu_identity(), "compiler": cxx.compiler(), "torch": standalone("version.py").__version__,
-             "python": sys.executable}
-    return kept_on_host(inductor_cache_dir(), "inductor-host-", asked, _ask_inductor, _valid)
+    return kept_on_host(inductor_cache_dir(), "inductor-host-", _asked(), _ask_inductor, _valid)
 
 
-def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Callable[[], dict[str, Any]],
-                 keep: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+def inductor_host_known() -> dict[str, Any] | None:
+    """The record, if this host has one; None instead of asking Inductor (which probes every ISA)."""
+    return kept_on_host(inductor_cache_dir(), "inductor-host-", _asked(), None, _valid)
+
+
+def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Callable[[], dict[str, Any]] | None,
+                 keep: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
     """compute()'s answer to `asked`, kept in Inductor's cache dir for every process of this host
     that asks the same: the first computes it under a file lock, the others read it. A record that
     does not parse, answers something else or that `keep` refuses is computed again, and an answer
-    `keep` refuses is not written (workers/host_check.py keeps only a "yes")."""
+    `keep` refuses is not written (workers/host_check.py keeps only a "yes"). Without `compute`,
+    a record missing is None."""
     asked = json.loads(json.dumps(asked, default=str))  # as it reads back
     digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:32]
     path = Path(cache_dir) / RECORDS / f"{kind}{digest}.json"
@@ -76,6 +85,8 @@ def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Call
                 return record
         except (OSError, ValueError):
             pass  # not asked yet on this host, or a torn file: ask
+        if compute is None:
+            return None
         record = {**compute(), **asked}
         if keep(record):
             partial = path.with_suffix(f".{os.getpid()}.tmp")
@@ -84,11 +95,16 @@ def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Call
         return record
 
 
-def _ask_inductor() -> dict[str, Any]:
-    from torch._inductor import config, cpu_vec_isa
+def can_pin() -> bool:
+    from torch._inductor import config
 
-    return {"vec_isas": sorted(str(i) for i in cpu_vec_isa.valid_vec_isa_list()),
-            "can_pin": hasattr(config.cpp, "march")}  # `cpp.march` is newer than torch 2.11
+    return hasattr(config.cpp, "march")  # `cpp.march` is newer than torch 2.11
+
+
+def _ask_inductor() -> dict[str, Any]:
+    from torch._inductor import cpu_vec_isa
+
+    return {"vec_isas": sorted(str(i) for i in cpu_vec_isa.valid_vec_isa_list()), "can_pin": can_pin()}
 
 
 def _valid(record: dict[str, Any]) -> bool:
