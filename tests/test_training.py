@@ -1,0 +1,162 @@
+"""Training steps compiled once on the farm: a fresh process (empty Inductor cache) starts
+training from the farm's artifact with no compile, and gets eager's gradients."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from farm.client import WarmStartError, warm_start
+from scheduler.jobs import execute
+from scheduler.spec import parse_job
+from storage import store_from_uri
+from workers.backends import LoweringError, resolve
+from workers.unit import Target
+
+pytestmark = pytest.mark.slow
+
+TARGET = "inductor-cache:avx2+train"
+
+
+@pytest.fixture(scope="module")
+def trained(zoo_dir, tmp_path_factory):
+    """The smoke MLP's training step compiled by the farm into a local store."""
+    d = tmp_path_factory.mktemp("train")
+    store = store_from_uri(str(d / "store"))
+    (r,) = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": [TARGET]}), store).results
+    assert r.status == "compiled", r.error
+    return d, store, r
+
+
+def test_the_manifest_says_what_autograd_decided_and_the_step_was_verified_and_timed(trained):
+    _, store, r = trained
+    facts = store.get_manifest(r.key)["artifact"]
+    assert facts["mode"] == "train" and facts["grad_mode"] == "enabled"
+    assert facts["graphs"]["forward"] == facts["graphs"]["backward"] >= 1
+    assert facts["saved_for_backward"]["tensors"] >= 1 and facts["saved_for_backward"]["bytes"] > 0
+    assert facts["kernels"] >= 2  # the forward's and the backward's, at least
+    assert facts["randomness"] == {"ops": [], "verified_with": None}
+    assert r.metrics["max_abs_err"] < 1e-4 and r.metrics["eager_ms"] > 0 and r.metrics["compiled_ms"] > 0
+    assert r.target == TARGET
+
+
+_TRAIN = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from farm.client import warm_start
+from workers.backends import kernels
+from workers.check.inputs import input_sets
+from workers.check.train import verify_training
+program, store = sys.argv[1], sys.argv[2]
+model = warm_start(program, store=store, target="inductor-cache:avx2", mode="train")
+ep = torch.export.load(program)
+eager = ep.module()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with kernels.counting_builds() as built:
+    report = verify_training(eager, model, input_sets(ep, 2), 1e-4, 1e-4)
+    for s in input_sets(ep, 2):  # the training loop a user writes
+        loss = model(*s.args).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+model.load_state_dict(eager.state_dict())  # a checkpoint, by the model's own names
+print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]), "builds": built,
+                  "ok": report.ok, "problems": report.problems, "checked": report.checked,
+                  "names": [n for n, _ in model.named_parameters()], "eager_names": [n for n, _ in eager.named_parameters()]}))
+"""
+
+
+def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_dir, tmp_path):
+    d, store, _ = trained
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh")}  # a machine that never compiled it
+    proc = subprocess.run([sys.executable, "-c", _TRAIN, str(zoo_dir / "mlp.pt2"), str(d / "store")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["builds"] == []  # no kernel compiled: the bundle's binaries were used
+    assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["inductor"].get("fxgraph_cache_hit", 0) >= 2
+    assert got["aot"].get("autograd_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_hit", 0) >= 1
+    assert got["ok"], got["problems"]
+    assert len(got["checked"]) >= 2  # the example size and another inside the dynamic range
+    assert got["names"] == got["eager_names"]  # no _orig_mod. prefix: checkpoints and optimizers just work
+
+
+def test_a_bundle_without_its_backward_is_refused(zoo_dir, monkeypatch, tmp_path):
+    import workers.check.train as train
+
+    monkeypatch.setattr(train, "step", lambda module: module)  # forward only: the backward is never compiled
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # a cache hit would bring the backward
+    ep = torch.export.load(str(zoo_dir / "mlp.pt2"))
+    target = Target("inductor-cache", isa="avx2", mode="train")
+    with pytest.raises(LoweringError, match="without its backward"):
+        resolve(target).lower(ep, target, tmp_path)
+
+
+def _with_facts(artifact: Path, out: Path, change) -> Path:
+    """The artifact with its facts.json changed (as if built on another machine)."""
+    with tarfile.open(artifact) as src, tarfile.open(out, "w") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read()
+            if m.name == "facts.json":
+                facts = json.loads(data)
+                change(facts)
+                data = json.dumps(facts).encode()
+                m.size = len(data)
+            dst.addfile(m, io.BytesIO(data))
+    return out
+
+
+def test_a_consumer_with_another_build_command_is_refused_before_it_compiles(trained, zoo_dir, tmp_path):
+    _, store, r = trained
+    artifact = store.fetch(r.artifact.digest, tmp_path / "bundle.tar")
+
+    def other_compiler(facts):
+        facts["build_command"][0] = "clang++-17"
+
+    other = _with_facts(artifact, tmp_path / "other.tar", other_compiler)
+    target = Target("inductor-cache", isa="avx2", mode="train")
+    ep = torch.export.load(str(zoo_dir / "mlp.pt2"))
+    with pytest.raises(LoweringError, match="another command") as e:
+        resolve(target).load(other, target, ep)
+    assert "clang++-17" in str(e.value) and "compile every kernel again" in str(e.value)
+
+
+def test_warm_start_reports_a_miss_and_what_to_run(trained, zoo_dir):
+    d, _, _ = trained
+    with pytest.raises(WarmStartError) as e:
+        warm_start(zoo_dir / "cnn.pt2", store=str(d / "store"))  # never compiled for training
+    message = str(e.value)
+    assert "no inductor-cache+train artifact" in message and "farm compile" in message and "cnn.pt2" in message
+    with pytest.raises(WarmStartError, match="has no train mode"):
+        warm_start(zoo_dir / "mlp.pt2", store=str(d / "store"), target="aoti-cpu")
+
+
+class _Dropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def test_random_ops_are_verified_with_comparable_randomness_or_refused(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "dropout.pt2"
+    torch.export.save(torch.export.export(_Dropout().train(), (torch.randn(4, 8),)), str(path))
+    store = store_from_uri(str(tmp_path / "store"))
+    job = parse_job({"graphs": [str(path)], "targets": [TARGET, {"backend": "inductor-cache", "isa": "avx2", "mode": "train",
+                                                                  "options": {"fallback_random": True}}]})
+    refused, seeded = execute(job, store).results
+    assert refused.status == "failed" and "fallback_random" in refused.error and "dropout" in refused.error, refused.error
+    assert seeded.status == "compiled", seeded.error
+    randomness = store.get_manifest(seeded.key)["artifact"]["randomness"]
+    assert randomness["verified_with"] == "fallback_random" and randomness["ops"]
