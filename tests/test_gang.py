@@ -153,3 +153,24 @@ def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_al
     # both ranks lowered the same code at once: each wrote its generated files in its own
     # directory, not in the shared Inductor cache where they packaged each other's half-written files
     assert not list(Path(ray_cluster.env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.wrapper.so"))
+
+
+def test_data_parallel_training_ranks_compile_the_step_once(ray_cluster, tmp_path):
+    pattern = replicas(tmp_path, 4)
+    outcome, store = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 4}], "dpt",
+                          targets=("inductor-cache:avx2+train",))
+    statuses = [r.status for r in outcome.results]
+    assert statuses.count("compiled") == 1 and statuses.count("hit") == 3, [(r.status, r.error) for r in outcome.results]
+    assert len({r.key for r in outcome.results}) == 1
+    facts = store.get_manifest(outcome.results[0].key)["artifact"]
+    assert facts["mode"] == "train" and facts["graphs"]["backward"] >= 1
+
+
+def test_tensor_parallel_training_through_all_reduce_compiles_and_verifies_its_gradients(ray_cluster, tmp_path):
+    paths = shards(tmp_path, "tpt", 2, ranges=[(2, 32)] * 2, examples=[4, 6])
+    outcome, store = _run(tmp_path, [{"name": "tpt", "ranks": paths, "world_size": 2}], "tpt",
+                          targets=("inductor-cache:avx2+train",))
+    for r in outcome.results:  # autograd differentiates _c10d_functional.all_reduce in torch 2.13
+        assert r.status == "compiled", r.error
+        assert r.metrics["max_abs_err"] < 1e-4  # outputs and gradients against eager, across the gang
+        assert store.get_manifest(r.key)["artifact"]["mark_dynamic"] == ["x.0"]  # the ranks' agreement

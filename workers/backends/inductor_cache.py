@@ -113,7 +113,7 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 
         configs = self._configs(target)
         if target.mode == "train":
-            return train_bundle.describe(artifact, self.isa(target)[0], configs)
+            return train_bundle.describe(artifact, self.isa(target)[0], configs, target.mark_dynamic)
         return {
             "format": "torch-compile-cache-artifacts",
             "isa": self.isa(target)[0],

@@ -135,12 +135,13 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram) -> torch.nn.Module:
     return trainable(ep.module(), pin)
 
 
-def describe(artifact: Path, isa: str, configs: dict[str, Any]) -> dict[str, Any]:
+def describe(artifact: Path, isa: str, configs: dict[str, Any], marks: tuple[str, ...]) -> dict[str, Any]:
     with tarfile.open(artifact, "r:") as tar:  # our own, just written
         facts = json.load(tar.extractfile("facts.json"))  # type: ignore[arg-type]
         shipped = sum(1 for m in tar.getmembers() if m.name.startswith("kernels/"))
     return {
         "format": FORMAT, "mode": "train", "isa": isa, "serving_config": configs, "grad_mode": "enabled",
+        "mark_dynamic": list(marks),
         "graphs": facts["graphs"], "saved_for_backward": facts["saved_for_backward"], "kernels": shipped,
         "build_command": facts["build_command"], "randomness": facts["randomness"],
         "load": "farm.client.warm_start(program, store=URI, target='inductor-cache', mode='train')",
