@@ -130,12 +130,17 @@ def _row(base: dict[str, Any], e: Exported, r: UnitResult, job_id: str) -> dict[
             "compile_s": table["compile_s"] if r.status == "compiled" else r.saved_s,
             "max_abs_err": m.get("max_abs_err"), "max_rel_err": m.get("max_rel_err"),
             "atol": e.entry.atol, "rtol": e.entry.rtol, "eager_ms": m.get("eager_ms"),
-            "compiled_ms": m.get("compiled_ms"), "speedup": m.get("speedup"),
+            "compiled_ms": m.get("compiled_ms"), "speedup": m.get("speedup"), "mode": _mode(r.target),
+            "saved_activation_bytes": int(m["saved_activation_bytes"]) if m.get("saved_activation_bytes") is not None else None,
             "artifact_bytes": r.artifact.size if r.artifact else None, "key": r.key, "job_id": job_id,
             **_toolchain(e, r.components)}
 
 
+def _mode(target: str) -> str:
+    return "train" if target.endswith("+train") else "inference"
+
+
 def _unbuilt_row(base: dict[str, Any], e: Exported, target: str) -> dict[str, Any]:
     return {**base, "model": e.entry.name, "family": e.entry.family, "target": target,
-            "status": "skipped" if e.skipped else "failed", "failed_phase": None if e.skipped else "export",
+            "status": "skipped" if e.skipped else "failed", "failed_phase": None if e.skipped else "export", "mode": _mode(target),
             "error": e.error, "hit": False, "atol": e.entry.atol, "rtol": e.entry.rtol, **_toolchain(e, None)}

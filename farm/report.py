@@ -117,9 +117,15 @@ def _latest_html(rows: list[dict[str, Any]], run_id: str) -> str:
     def fmt(v: Any, spec: str) -> str:
         return "" if v is None else format(v, spec)
     body = [[r["model"], r["target"], r["status"], fmt(r["compile_s"], ".1f"),
-             fmt(r["speedup"], ".2f"), fmt(r["max_abs_err"], ".2g"), (r.get("error") or "")[:160]]
+             fmt(r["speedup"], ".2f"), _kib(r.get("saved_activation_bytes")), fmt(r["max_abs_err"], ".2g"),
+             (r.get("error") or "")[:160]]
             for r in rows if r["run_id"] == run_id]
-    return _table(["model", "target", "status", "compile s", "speedup", "max error", "error"], body, "latest")
+    return _table(["model", "target", "status", "compile s", "speedup (train: whole step)", "saved activations",
+                   "max error", "error"], body, "latest")
+
+
+def _kib(n: Any) -> str:
+    return "" if n is None else f"{n / 1024:.1f} KiB"
 
 
 def _side_by_side_html(rows: list[dict[str, Any]], run_id: str) -> str:
@@ -131,7 +137,9 @@ def _side_by_side_html(rows: list[dict[str, Any]], run_id: str) -> str:
     for r in latest:
         parts = [r["status"]]
         if r.get("speedup"):
-            parts.append(f"{r['speedup']:.2f}x")
+            parts.append(f"{'step ' if r.get('mode') == 'train' else ''}{r['speedup']:.2f}x")
+        if r.get("saved_activation_bytes") is not None:
+            parts.append(f"{_kib(r['saved_activation_bytes'])} saved for backward")
         if r.get("artifact_bytes"):
             parts.append(f"{r['artifact_bytes'] / 1024:.0f} KiB")
         cells[(r["model"], r["target"])] = " · ".join(parts)
@@ -158,6 +166,9 @@ def render(history_rows: list[dict[str, Any]]) -> str:
         previous = runs[-2][0] if len(runs) > 1 else None
         figures = [pass_rate(rows), per_model(rows, "compile_s", "Compile time per model", "seconds"),
                    speedup(rows), hit_rate(rows)]
+        if any(r.get("mode") == "train" for r in rows):
+            figures.append(per_model(rows, "saved_activation_bytes", "Training steps: activations saved for backward",
+                                     "bytes at the example size"))
         plots = "".join(f"<div>{f.to_html(full_html=False, include_plotlyjs=False)}</div>" for f in figures)
         sections.append(f"<h2>Suite {html.escape(suite)}: {len(runs)} run{'s' if len(runs) > 1 else ''}</h2>"
                         f"<h3>Regressions</h3>{_regressions_html(find_regressions(rows, latest), latest, previous)}"

@@ -77,8 +77,13 @@ def test_history_is_parquet_by_date_and_reads_back_with_pyarrow_pandas_and_duckd
     folder = store / "history"
     assert sorted(p.name for p in folder.iterdir()) == ["date=2026-11-21", "date=2026-11-22"]
     table = ds.dataset(folder, format="parquet", partitioning="hive").to_table()
-    assert table.num_rows == 6
+    assert table.num_rows == 8
     frame = pd.read_parquet(folder)
+    train = frame[frame["mode"] == "train"].sort_values("date")
+    assert list(train["model"]) == ["steady", "steady"] and list(train["target"]) == ["inductor-cache:avx2+train"] * 2
+    assert list(train["status"]) == ["compiled", "hit"]  # a training step, compiled once
+    assert (train["saved_activation_bytes"] > 0).all() and (train["speedup"] > 0).all() and (train["compile_s"] > 0).all()
+    frame = frame[frame["mode"] == "inference"]
     night2 = frame[frame["date"].astype(str) == "2026-11-22"].set_index("model")
     assert night2.loc["broken", "status"] == "failed" and night2.loc["broken", "failed_phase"] == "export"
     assert night2.loc["steady", "status"] == "hit" and night2.loc["steady", "hit"]
@@ -87,10 +92,10 @@ def test_history_is_parquet_by_date_and_reads_back_with_pyarrow_pandas_and_duckd
     counts = duckdb.sql(f"select date, count(*), count(*) filter (where status = 'failed') "
                         f"from read_parquet('{folder}/*/*.parquet', hive_partitioning=true) "
                         f"group by date order by date").fetchall()
-    assert [(str(d), n, f) for d, n, f in counts] == [("2026-11-21", 3, 0), ("2026-11-22", 3, 1)]
+    assert [(str(d), n, f) for d, n, f in counts] == [("2026-11-21", 4, 0), ("2026-11-22", 4, 1)]
     # the store's own reader agrees, with the same columns
     rows = read_history(store_from_uri(str(store))).to_pylist()
-    assert len(rows) == 6 and {r["date"] for r in rows} == {"2026-11-21", "2026-11-22"}
+    assert len(rows) == 8 and {r["date"] for r in rows} == {"2026-11-21", "2026-11-22"}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (./dev test installs it)")
@@ -107,9 +112,9 @@ def test_report_renders_its_plots_offline_in_a_headless_browser(two_nights, tmp_
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000"]
     dom = subprocess.run([*flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120).stdout
-    assert dom.count('class="main-svg"') >= 8, "plotly drew fewer than 4 plots"  # two SVG layers per plot
+    assert dom.count('class="main-svg"') >= 10, "plotly drew fewer than 5 plots"  # two SVG layers per plot
     for text in ("Pass rate per target", "Compile time per model", "Speedup over eager", "Cache hit rate",
-                 "2 regressions in", "compile time"):
+                 "2 regressions in", "compile time", "activations saved for backward", "saved for backward"):
         assert text in dom, text
     shot = tmp_path / "report.png"
     subprocess.run([*flags, "--window-size=1400,1300", f"--screenshot={shot}", report.as_uri()],

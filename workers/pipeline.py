@@ -274,6 +274,9 @@ def lower_unit(ctx: UnitContext) -> Lowered:
             metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
 
     facts = lowered.get("facts") if isinstance(lowered.get("facts"), dict) else {}
+    saved = (facts.get("saved_for_backward") or {}).get("bytes")  # a training step's activation memory
+    if isinstance(saved, int) and not isinstance(saved, bool):
+        metrics["saved_activation_bytes"] = float(saved)
     return Lowered(artifact, _plain(facts), metrics)
 
 
