@@ -44,11 +44,24 @@ def step(module: Callable) -> Callable[..., None]:
     return run
 
 
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether a call to an op tagged as random really draws: attention and dropout with a
+    probability of 0, or dropout outside training, draw nothing."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    given = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+             for i, a in enumerate(schema.arguments)}
+    if given.get("train") is False or given.get("dropout_p", 1) == 0:
+        return False
+    return not ("dropout" in schema.name and given.get("p") == 0)
+
+
 def random_ops(ep: ExportedProgram) -> list[str]:
     """The program's ops that draw random numbers (dropout and the like)."""
-    found = {str(n.target) for n in ep.graph.nodes
-             if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())}
-    return sorted(found)
+    return sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function" and _draws(n)})
 
 
 def _grads(module: Any, s: InputSet, seed: int | None) -> tuple[Any, list[tuple[str, torch.Tensor | None]]]:

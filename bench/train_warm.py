@@ -1,0 +1,124 @@
+"""A training job's first steps: compiled cold on the rank, against started from the farm, in one run.
+
+For each smoke-zoo model, the farm first compiles its training step (`inductor-cache:avx2` in
+`mode: train`) into a fresh local store. Then two fresh processes run the same first N steps
+(forward + backward + SGD step, at the example size, at a second size that makes automatic
+dynamic shapes compile the dynamic graph, and at the example size again):
+
+- cold: what a rank does without the farm, `ep.module().compile()` (Inductor's defaults);
+- warm: `farm.client.warm_start(program, store)`, then the same steps.
+
+Each has its own empty TORCHINDUCTOR_CACHE_DIR (a machine that never compiled the model); the
+precompiled header in /tmp is whatever this host has, which can only help the cold side. Each
+process times from after `import torch` to the end of its N-th step, and counts the kernel
+binaries built (new .so files in its Inductor cache dir) and Inductor's and AOTAutograd's
+cache misses.
+
+    .venv/bin/python bench/train_warm.py [--models mlp cnn]
+
+Prints warm_first_steps / cold_first_steps per model and over all; the goal is at most 0.2
+with 0 kernel compiles in the warm processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "inductor-cache:avx2"
+
+
+def child(side: str, program: str, store: str) -> None:
+    import torch
+
+    t0 = time.perf_counter()
+    from torch._dynamo.utils import counters
+
+    from workers.backends import kernels
+    from workers.check.inputs import input_sets
+
+    with kernels.counting_builds() as built:
+        if side == "warm":
+            from farm.client import warm_start
+
+            model = warm_start(program, store=store, target=TARGET, mode="train")
+        else:
+            model = torch.export.load(program).module()
+            model.compile()
+        ep = torch.export.load(program)
+        example, other = input_sets(ep, 1)[:2]
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for s in (example, other, example):
+            out = model(*s.args, **s.kwargs)
+            out.float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "builds": len(built), "steps": 3,
+                      "fx_misses": counters["inductor"].get("fxgraph_cache_miss", 0),
+                      "aot_misses": counters["aot_autograd"].get("autograd_cache_miss", 0)}))
+
+
+def _run_child(side: str, program: Path, store: Path, cache: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, "--child", side, str(program), str(store)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(f"the {side} process for {program.stem} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="*", help="smoke-zoo entries (default: all)")
+    ap.add_argument("--child", nargs=3, metavar=("SIDE", "PROGRAM", "STORE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    root = Path(tempfile.mkdtemp(prefix="farm-train-warm-"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "farm-worker")  # the farm's own, apart from both sides
+    sys.path.insert(0, str(ROOT))
+
+    from farm.zoo import export_zoo
+    from scheduler.jobs import execute
+    from scheduler.spec import parse_job
+    from storage import store_from_uri
+
+    programs = export_zoo(root / "zoo", args.models or None)
+    store = root / "store"
+    job = parse_job({"name": "train-warm", "graphs": [str(p) for p in programs], "targets": [f"{TARGET}+train"]})
+    t0 = time.perf_counter()
+    outcome = execute(job, store_from_uri(str(store)))
+    print(f"farm compile of {len(programs)} training steps: {time.perf_counter() - t0:.1f} s")
+    failed = [(r.graph, r.error) for r in outcome.results if r.status not in ("compiled", "hit")]
+    if failed:
+        raise SystemExit(f"the farm could not compile: {failed}")
+
+    print(f"\n{'model':<15}{'cold s':>9}{'cold builds':>13}{'warm s':>9}{'warm builds':>13}"
+          f"{'warm misses (fx/aot)':>22}{'warm/cold':>11}")
+    ratios, cold_total, warm_total, warm_builds = [], 0.0, 0.0, 0
+    for program in programs:
+        cold = _run_child("cold", program, store, root / f"cold-{program.stem}")
+        warm = _run_child("warm", program, store, root / f"warm-{program.stem}")
+        ratio = warm["seconds"] / cold["seconds"]
+        ratios.append(ratio)
+        cold_total, warm_total, warm_builds = cold_total + cold["seconds"], warm_total + warm["seconds"], warm_builds + warm["builds"]
+        print(f"{program.stem:<15}{cold['seconds']:>9.2f}{cold['builds']:>13}{warm['seconds']:>9.2f}{warm['builds']:>13}"
+              f"{str(warm['fx_misses']) + '/' + str(warm['aot_misses']):>22}{ratio:>11.3f}")
+    print(f"\ncompared: the first 3 training steps (forward, backward, SGD step; example size, another size, example "
+          f"size) in fresh processes with empty Inductor caches: plain `ep.module().compile()` (cold) against "
+          f"`warm_start` from the farm's {TARGET}+train artifact (warm), timed from after `import torch`")
+    print(f"warm_first_steps / cold_first_steps: {warm_total / cold_total:.3f} over all models, median per model "
+          f"{statistics.median(ratios):.3f} (goal <= 0.2); kernel compiles in the warm processes: {warm_builds} (goal 0)")
+
+
+if __name__ == "__main__":
+    main()
