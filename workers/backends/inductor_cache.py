@@ -97,12 +97,12 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 
         if ep is None:
             raise LoweringError("an inductor-cache bundle is loaded together with the program it was compiled from")
+        if target.mode == "train":
+            pin = train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
+            return train_bundle.load(artifact, pin, ep, lambda: self.host_problem(target))
         problem = self.host_problem(target)
         if problem:
             raise LoweringError(problem, retryable=True)
-        if target.mode == "train":
-            pin = train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
-            return train_bundle.load(artifact, pin, ep)
         info = torch.compiler.load_cache_artifacts(artifact.read_bytes())
         if info is None:
             raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")

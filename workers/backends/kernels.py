@@ -27,6 +27,7 @@ from typing import Any, Iterator
 from workers.backends.base import LoweringError
 
 MAX_MEMBERS = 4096
+_installed: set[Path] = set()  # kernels this process put in place (counting_builds leaves them out)
 MAX_BYTES = 4 << 30  # a bundle's kernels, all together
 
 
@@ -51,6 +52,26 @@ def capturing() -> Iterator[list[str]]:
         yield loaded
     finally:
         CppCodeCache._load_library = classmethod(original)  # type: ignore[method-assign]
+
+
+def isa_probe(vec_isa: str) -> list[str]:
+    """The binary Inductor built to check that this host runs `vec_isa` (with it in place, a
+    fresh machine's check only loads it, instead of running g++ for 1.3 s first). Its path comes
+    from Inductor's private naming, so on a torch that names it otherwise nothing is shipped and
+    the consumer builds the probe itself."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codecache import write
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+
+    try:
+        (isa,) = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == vec_isa]
+        key, source = write(cpu_vec_isa.VecISA._avx_code, "cpp",
+                            extra=cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags()))
+        path = CppBuilder(key, [source], CppTorchOptions(vec_isa=isa, warning_all=False),
+                          os.path.dirname(source)).get_target_file_path()
+    except (AttributeError, ValueError, TypeError):
+        return []
+    return [path] if os.path.isfile(path) else []
 
 
 def build_command() -> list[str]:
@@ -78,17 +99,18 @@ def build_problem(recorded: list[str]) -> str | None:
             "or compile on a worker like this machine")
 
 
-def pack(out: Path, bundle: bytes, kernels: list[str], facts: dict[str, Any]) -> int:
-    """Write the artifact; returns how many kernels it holds. Kernels outside Inductor's cache
-    dir (none expected) and ISA probe builds are left out."""
+def relative(path: str) -> str | None:
+    """A binary's name under Inductor's cache dir (where the consumer puts it), or None outside it."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    root = Path(cache_dir()).resolve()
-    names: dict[str, Path] = {}
-    for path in kernels:
-        p = Path(path).resolve()
-        if p.is_relative_to(root) and p.is_file() and "_chk_kernel" not in p.name:
-            names[p.relative_to(root).as_posix()] = p
+    p, root = Path(path).resolve(), Path(cache_dir()).resolve()
+    return p.relative_to(root).as_posix() if p.is_relative_to(root) and p.is_file() else None
+
+
+def pack(out: Path, bundle: bytes, kernels: list[str], facts: dict[str, Any]) -> int:
+    """Write the artifact; returns how many kernels it holds. Kernels outside Inductor's cache
+    dir (none expected) are left out."""
+    names = {name: Path(k) for k in kernels if (name := relative(k))}
     with tarfile.open(out, "w") as tar:
         for name, data in (("bundle.bin", bundle), ("facts.json", json.dumps(facts, sort_keys=True).encode())):
             info = tarfile.TarInfo(name)
@@ -163,18 +185,20 @@ def install(kernels: dict[str, bytes]) -> int:
             f.write(data)
         os.chmod(tmp, 0o755)
         os.replace(tmp, dest)
+        _installed.add(dest)
         added += 1
     return added
 
 
 def _binaries(root: Path) -> set[Path]:
-    return {p for p in root.glob("*/*.so") if "_chk_kernel" not in p.name}
+    return {p for p in root.glob("*/*.so") if p not in _installed}
 
 
 @contextlib.contextmanager
 def counting_builds() -> Iterator[list[str]]:
     """The kernel binaries Inductor builds in the block, filled in when it ends. Counted on disk:
-    Inductor may build in a pool of subprocesses, out of reach of anything patched here."""
+    Inductor may build in a pool of subprocesses, out of reach of anything patched here. Kernels
+    `install` put in place are not builds."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     root = Path(cache_dir())

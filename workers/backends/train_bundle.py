@@ -18,7 +18,7 @@ import json
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from workers.backends import cpu_isa, kernels
 from workers.backends.base import LoweringError
@@ -97,6 +97,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
             mark_dynamic(ep, inputs.args, marks)
             step(module)(*inputs.args, **inputs.kwargs)
         build = kernels.build_command()
+        probe = kernels.isa_probe(pin.vec_isa) if pin.vec_isa else []
     problem = _backward_problem()
     if problem:
         raise LoweringError(problem)
@@ -111,24 +112,33 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
         "saved_for_backward": {**saved_for_backward(module(*sets[0].args, **sets[0].kwargs), list(module.parameters())),
                                "at": sets[0].label},
         "build_command": build,
+        "isa_probe": kernels.relative(probe[0]) if probe else None,  # installed first at load: see `load`
         # how verification made random draws comparable (workers/sandbox/steps.py refuses otherwise)
         "randomness": {"ops": random_ops(ep), "verified_with": "fallback_random" if pin.configs.get("fallback_random") else None},
     }
     out = workdir / "training-bundle.tar"
-    kernels.pack(out, saved[0], loaded, facts)
+    kernels.pack(out, saved[0], loaded + probe, facts)
     return out
 
 
-def load(artifact: Path, pin: Pin, ep: ExportedProgram) -> torch.nn.Module:
+def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[], str | None]) -> torch.nn.Module:
     """The trainable module, with the bundle loaded and its kernels in Inductor's cache dir.
-    Refuses a bundle this process would compile kernels for instead of using them."""
+    Refuses a bundle this process would compile kernels for instead of using them, and a host
+    that cannot run the target's ISA. The ISA's probe goes in first: Inductor's check of the
+    host (in both refusals) then loads it instead of building it."""
     import torch
 
     unpacked = kernels.unpack(artifact, str(artifact))
+    probe = unpacked.facts.get("isa_probe")
+    if isinstance(probe, str) and probe in unpacked.kernels:
+        kernels.install({probe: unpacked.kernels[probe]})
     with pin.held():
         problem = kernels.build_problem(list(unpacked.facts.get("build_command") or []))
     if problem:
         raise LoweringError(problem)
+    problem = host_problem()
+    if problem:
+        raise LoweringError(problem, retryable=True)
     kernels.install(unpacked.kernels)
     if torch.compiler.load_cache_artifacts(unpacked.bundle) is None:
         raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
