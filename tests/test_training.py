@@ -157,6 +157,7 @@ def test_random_ops_are_verified_with_comparable_randomness_or_refused(tmp_path)
                                                                   "options": {"fallback_random": True}}]})
     refused, seeded = execute(job, store).results
     assert refused.status == "failed" and "fallback_random" in refused.error and "dropout" in refused.error, refused.error
+    assert refused.failed_in == "lower"  # refused before anything was compiled
     assert seeded.status == "compiled", seeded.error
     randomness = store.get_manifest(seeded.key)["artifact"]["randomness"]
     assert randomness["verified_with"] == "fallback_random" and randomness["ops"]

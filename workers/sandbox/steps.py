@@ -148,6 +148,9 @@ class Steps(GangSteps):
     def lower(self, unit: Unit, workdir: str) -> dict[str, Any]:
         backend = resolve(unit.target)
         ep = self._on_device(unit)
+        problem = _randomness_problem(unit, ep) if unit.target.mode == "train" else None
+        if problem:  # it could not be verified: say so before compiling it
+            raise StepFailed(problem)
         before = benchmarked()
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
         try:  # timings taken while lowering are taken alone on the GPU too
@@ -188,14 +191,10 @@ class Steps(GangSteps):
         atol, rtol = unit.verify.atol, unit.verify.rtol
         if unit.target.mode == "inference":
             return verify(self.eager_reference(ep), compiled, sets, atol, rtol)
-        drawn = random_ops(ep)
-        seeded = bool(unit.target.options_dict.get("fallback_random"))
-        if drawn and not seeded:
-            return VerifyReport(ok=False, max_abs_err=0.0, max_rel_err=0.0, problems=[
-                f"the program draws random numbers ({', '.join(drawn)}), which Inductor draws differently from eager, "
-                "so its gradients cannot be compared; add the option fallback_random: true to the target (Inductor "
-                "then draws as eager does), or export the model in eval mode"])
-        return verify_training(self.eager_reference(ep), compiled, sets, atol, rtol, seeded=bool(drawn))
+        problem = _randomness_problem(unit, ep)
+        if problem:
+            return VerifyReport(ok=False, max_abs_err=0.0, max_rel_err=0.0, problems=[problem])
+        return verify_training(self.eager_reference(ep), compiled, sets, atol, rtol, seeded=bool(random_ops(ep)))
 
     def _load_artifact(self, unit: Unit, ep: ExportedProgram, path: Path) -> Any:
         if self._compiled is not None and self._compiled[0] == str(path):
@@ -240,6 +239,16 @@ class Steps(GangSteps):
     def input_names(self, unit: Unit, program: str) -> dict[str, Any]:
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
         return {"names": list(ep.graph_signature.user_inputs)}
+
+
+def _randomness_problem(unit: Unit, ep: ExportedProgram) -> str | None:
+    """Why a training step's gradients could not be compared with eager's, or None."""
+    drawn = random_ops(ep)
+    if not drawn or unit.target.options_dict.get("fallback_random"):
+        return None
+    return (f"the program draws random numbers ({', '.join(drawn)}), which Inductor draws differently from eager, "
+            "so its gradients cannot be compared; add the option fallback_random: true to the target (Inductor "
+            "then draws as eager does), or export the model in eval mode")
 
 
 def _is_zip(path: Path) -> bool:
