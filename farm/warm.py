@@ -76,6 +76,6 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
     with tempfile.TemporaryDirectory(prefix="farm-warm-") as tmp:
         artifact = s.fetch(ref["digest"], Path(tmp) / "artifact")  # checked against the manifest's sha256
         try:
-            return backend.load(artifact, t, ep)
+            return backend.load(artifact, t, backend.prepare(ep, t))  # a GPU target's module is on the GPU
         except LoweringError as e:
             raise WarmStartError(f"cannot start {name} from the farm's {t.label} artifact (key {key[:16]}…): {e}") from e

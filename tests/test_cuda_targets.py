@@ -42,6 +42,24 @@ def test_a_host_without_a_gpu_offers_only_cpu_classes():
     assert json.loads(farm("resources", "--slots", "3").strip().splitlines()[-1])["farm_cpu_x86_64"] == 3
 
 
+def test_inductor_cache_has_a_gpu_form_placed_and_keyed_like_aoti_cuda():
+    train = Target("inductor-cache", "sm_90", mode="train")
+    gpu = resolve(train)
+    assert gpu.device == "cuda" and gpu.placement(train).resources == {"farm_cuda_sm90": 1.0}
+    assert gpu.placement(train).gpus == pytest.approx(1 / cuda.WORKERS_PER_GPU)
+    own = Target("inductor-cache", "cuda")
+    assert resolve(own).placement(own).resources == {"farm_cuda": 1.0}  # the worker's own GPU
+    components = gpu.target_components(train)
+    assert components["arch"] == "sm_90" and components["mode"] == "train" and "march" not in components
+    assert {"cuda", "triton"} <= set(gpu.toolchain(train))
+    assert gpu.pin(train).vec_isa is None  # no CPU ISA pin on a GPU target
+    cpu = Target("inductor-cache", "avx2", mode="train")
+    assert resolve(cpu).device == "cpu" and resolve(cpu).pin(cpu).vec_isa == "avx2"
+    assert train.label == "inductor-cache:sm_90+train"
+    with pytest.raises(LoweringError, match="unknown ISA"):
+        resolve(Target("inductor-cache", "sm90"))
+
+
 def test_the_key_holds_the_architecture_and_the_gpu_toolchain():
     backend = resolve(Target("aoti-cuda", "sm_90"))
     program = {"program": "0" * 64}
@@ -82,10 +100,12 @@ def test_a_compiler_newer_than_the_loaded_libstdcxx_is_refused(monkeypatch, tmp_
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks a host without a GPU")
 def test_in_process_a_cuda_target_on_a_host_without_a_gpu_fails_with_the_reason(zoo_dir, tmp_path):
-    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cuda:sm_90", "aoti-cuda"]})
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cuda:sm_90", "aoti-cuda",
+                                                                       "inductor-cache:sm_90+train"]})
     outcome = execute(job, store_from_uri(str(tmp_path / "store")))  # like `farm compile`, in this process
     errors = {r.target: r.error for r in outcome.results if r.status == "failed"}
     assert "cannot build aoti-cuda:sm_90: no CUDA GPU (torch was built without CUDA" in errors["aoti-cuda:sm_90"]
+    assert "cannot build inductor-cache:sm_90+train: no CUDA GPU" in errors["inductor-cache:sm_90+train"]
     assert "name one, e.g. aoti-cuda:sm_90" in errors["aoti-cuda"]
     assert all(r.retryable and "lower" not in r.timings for r in outcome.results)
 

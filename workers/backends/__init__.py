@@ -15,6 +15,13 @@ def _registry() -> dict[str, Backend]:
     return {b.name: b for b in (AotiCpu(), AotiCuda(), InductorCache(), ExecuTorch(), CoreAten())}
 
 
+def _gpu_forms() -> dict[str, Backend]:
+    """Backends whose targets also name a GPU (`inductor-cache:sm_90`, `:cuda`): that form is its own class."""
+    from workers.backends.inductor_cache import InductorCacheCuda
+
+    return {b.name: b for b in (InductorCacheCuda(),)}
+
+
 def backend_names() -> list[str]:
     return sorted(_registry())
 
@@ -37,7 +44,11 @@ def offered_resources(slots: int) -> dict[str, float]:
 
 def resolve(target: Target) -> Backend:
     """The backend for a target, once the target is known to make sense for it."""
+    from workers.backends.cuda_target import is_cuda_isa
+
     backend = get_backend(target.backend)
+    if is_cuda_isa(target.isa) and target.backend in _gpu_forms():
+        backend = _gpu_forms()[target.backend]
     backend.validate(target)
     if target.mode not in backend.modes:
         trains = ", ".join(n for n, b in _registry().items() if target.mode in b.modes)

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from workers.backends import cpu_isa, cuda, cxx
+from workers.backends import cpu_isa, cxx
 from workers.backends.aoti_cpu import (
     WEIGHTS_OUT_OF_CODE,
     compile_and_package,
@@ -24,7 +24,8 @@ from workers.backends.aoti_cpu import (
     package_metadata,
     weights_facts,
 )
-from workers.backends.base import LoweringError, Placement
+from workers.backends.base import LoweringError
+from workers.backends.cuda_target import CudaTarget, current_arch
 from workers.torch_files import standalone
 from workers.unit import Target
 
@@ -41,12 +42,9 @@ def _triton_version() -> str | None:
         return None
 
 
-def _current_arch() -> str:
-    """The architecture of the GPU this process uses (in the sandbox, where CUDA is up already)."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
+def cuda_toolchain() -> dict[str, Any]:
+    # the driver is not here: artifacts hold cubins for the architecture, which any recent driver loads
+    return {**cxx.compiler(), "cuda": standalone("version.py").cuda, "triton": _triton_version()}
 
 
 def _kernels(artifact: Path) -> list[str]:
@@ -54,26 +52,10 @@ def _kernels(artifact: Path) -> list[str]:
         return [n for n in z.namelist() if n.endswith((".cubin", ".fatbin"))]
 
 
-class AotiCuda:
+class AotiCuda(CudaTarget):
     name = "aoti-cuda"
     weights_in_code = False  # as aoti-cpu: `weights: shapes` keeps them out of the code
-    device = "cuda"
     modes = ("inference",)
-
-    def arch(self, target: Target) -> str:
-        """The SM the artifact is for: the target's, or this worker's GPU's."""
-        if target.isa:
-            return target.isa
-        try:
-            return cuda.own_gpu().arch
-        except cuda.GpuUnavailable as e:
-            raise LoweringError(f"target {target.label} means this worker's GPU architecture, and it has none ({e}); "
-                                f"name one, e.g. {self.name}:sm_90", retryable=True) from None
-
-    def validate(self, target: Target) -> None:
-        if target.isa and not cuda.ARCH.fullmatch(target.isa):
-            raise LoweringError(f"target {target.label}: {target.isa!r} is not a GPU architecture; "
-                                f"write it as sm_XX, e.g. {self.name}:sm_90 for H100")
 
     def _wrapper(self) -> tuple[str, dict[str, Any]]:
         if cpu_isa.can_pin():
@@ -84,37 +66,10 @@ class AotiCuda:
         return {"backend": self.name, "device": "cuda", "arch": self.arch(target), "wrapper_isa": self._wrapper()[0]}
 
     def toolchain(self, target: Target) -> dict[str, Any]:
-        # the driver is not here: packages hold cubins for the architecture, which any recent driver loads
-        return {**cxx.compiler(), "cuda": standalone("version.py").cuda, "triton": _triton_version()}
-
-    def placement(self, target: Target) -> Placement:
-        return Placement(cuda.arch_resource(target.isa), cpus=1.0, gpus=1.0 / cuda.WORKERS_PER_GPU)
-
-    def offers(self, slots: int) -> dict[str, float]:
-        return cuda.host_resources()
-
-    def device_fingerprint(self, target: Target) -> dict[str, Any]:
-        try:
-            return cuda.own_gpu().fingerprint
-        except cuda.GpuUnavailable as e:
-            raise LoweringError(f"no GPU to fingerprint ({e})", retryable=True) from None
-
-    def host_problem(self, target: Target) -> str | None:
-        try:
-            gpu = cuda.own_gpu()
-        except cuda.GpuUnavailable as e:
-            return f"this worker cannot build {target.label}: {e}"
-        if target.isa and target.isa != gpu.arch:
-            return f"this worker's GPU is {gpu.name} ({gpu.arch}), not {target.isa}; {target.label} is built on a {target.isa} GPU"
-        return cxx.libstdcxx_problem()
-
-    def prepare(self, ep: ExportedProgram, target: Target) -> ExportedProgram:
-        from torch.export.passes import move_to_device_pass
-
-        return move_to_device_pass(ep, "cuda")
+        return cuda_toolchain()
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
-        arch = target.isa or _current_arch()
+        arch = self.named_arch(target) or current_arch()
         configs = {**target.options_dict, **self._wrapper()[1]}
         if target.weights == "shapes":
             configs.update(WEIGHTS_OUT_OF_CODE)
@@ -127,7 +82,7 @@ class AotiCuda:
         return path
 
     def load(self, artifact: Path, target: Target, ep: ExportedProgram | None = None) -> Callable[..., Any]:
-        recorded, here = "sm_" + package_metadata(artifact).get("AOTI_COMPUTE_CAPABILITY", "?"), _current_arch()
+        recorded, here = "sm_" + package_metadata(artifact).get("AOTI_COMPUTE_CAPABILITY", "?"), current_arch()
         if recorded != here:
             raise LoweringError(f"{artifact} holds {recorded} kernels and this GPU is {here}; "
                                 f"fetch the build for this GPU", retryable=True)

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa, train_bundle
+from workers.backends.aoti_cuda import cuda_toolchain
 from workers.backends.base import LoweringError
+from workers.backends.cuda_target import CudaTarget
 from workers.unit import Target
 
 if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
@@ -28,16 +30,20 @@ if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and key
     from torch.export import ExportedProgram
 
 
-def _compiled(module: torch.nn.Module, configs: dict[str, Any], vec_isa: str) -> Callable[..., Any]:
+def _compiled(module: torch.nn.Module, pin: train_bundle.Pin) -> Callable[..., Any]:
     import torch
 
     compiled = torch.compile(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with cpu_isa.only_vec_isa(vec_isa), torch._inductor.config.patch(configs), torch.no_grad():
+        with pin.held(), torch.no_grad():
             return compiled(*args, **kwargs)
 
     return run
+
+
+# Triton's compiled kernels inside the FX graph cache entries (so inside the bundle)
+CUDA_CONFIGS = {"bundle_triton_into_fx_graph_cache": True}
 
 
 def mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> None:
@@ -67,10 +73,15 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         configs = {**target.options_dict, **self.isa(target)[1].inductor_configs}
         return {**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs
 
+    def pin(self, target: Target) -> train_bundle.Pin:
+        return train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
+
+    def _isa_name(self, target: Target) -> str:
+        return self.isa(target)[0]
+
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         if target.mode == "train":
-            pin = train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
-            return train_bundle.lower(ep, pin, target.mark_dynamic, workdir)
+            return train_bundle.lower(ep, self.pin(target), target.mark_dynamic, workdir)
         import torch
         from torch.compiler._cache import CacheArtifactManager
 
@@ -80,7 +91,7 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 
         torch._dynamo.reset()  # a long-lived worker: forget what earlier units compiled
         CacheArtifactManager.clear()  # …and what they recorded, so the bundle holds this unit only
-        run = _compiled(ep.module(), self._configs(target), self.isa(target)[1].vec_isa)
+        run = _compiled(ep.module(), self.pin(target))
         torch._dynamo.utils.counters.clear()
         for inputs in input_sets(ep):
             mark_dynamic(ep, inputs.args, target.mark_dynamic)
@@ -98,25 +109,24 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         if ep is None:
             raise LoweringError("an inductor-cache bundle is loaded together with the program it was compiled from")
         if target.mode == "train":
-            pin = train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
-            return train_bundle.load(artifact, pin, ep, lambda: self.host_problem(target))
+            return train_bundle.load(artifact, self.pin(target), ep, lambda: self.host_problem(target))
         problem = self.host_problem(target)
         if problem:
             raise LoweringError(problem, retryable=True)
         info = torch.compiler.load_cache_artifacts(artifact.read_bytes())
         if info is None:
             raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
-        return _compiled(ep.module(), self._configs(target), self.isa(target)[1].vec_isa)
+        return _compiled(ep.module(), self.pin(target))
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         import torch
 
-        configs = self._configs(target)
+        configs = self.pin(target).configs
         if target.mode == "train":
-            return train_bundle.describe(artifact, self.isa(target)[0], configs, target.mark_dynamic)
+            return train_bundle.describe(artifact, self._isa_name(target), configs, target.mark_dynamic)
         return {
             "format": "torch-compile-cache-artifacts",
-            "isa": self.isa(target)[0],
+            "isa": self._isa_name(target),
             "serving_config": configs,
             "grad_mode": "no_grad",
             "mark_dynamic": list(target.mark_dynamic),
@@ -125,3 +135,27 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
             "load": ("torch.compiler.load_cache_artifacts(open(PATH, 'rb').read()); then, with torch._inductor.config "
                      f"set to {configs} and under torch.no_grad(), torch.compile(model)"),
         }
+
+
+class InductorCacheCuda(CudaTarget, InductorCache):
+    """`inductor-cache:sm_90` (`:cuda`: the worker's own GPU): the same bundles for a GPU, in both
+    modes. The program is moved to the GPU, placed, sandboxed and verified like `aoti-cuda`.
+    Nothing is pinned on the host CPU; Triton's compiled kernels travel inside the bundle
+    (`bundle_triton_into_fx_graph_cache`), so a GPU consumer compiles none."""
+
+    weights_in_code = False
+
+    def target_components(self, target: Target) -> dict[str, Any]:
+        marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
+        mode = {"mode": target.mode} if target.mode != "inference" else {}
+        return {"backend": self.name, "device": "cuda", "arch": self.arch(target), **marks, **mode}
+
+    def toolchain(self, target: Target) -> dict[str, Any]:
+        return cuda_toolchain()
+
+    def pin(self, target: Target) -> train_bundle.Pin:
+        configs = {**target.options_dict, **CUDA_CONFIGS}
+        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs, None)
+
+    def _isa_name(self, target: Target) -> str:
+        return self.arch(target)

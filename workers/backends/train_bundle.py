@@ -36,14 +36,19 @@ FORMAT = "farm-training-bundle"
 
 @dataclass(frozen=True)
 class Pin:
-    configs: dict[str, Any]  # Inductor config, ISA included
-    vec_isa: str
+    """The Inductor settings a bundle was compiled under (part of Inductor's cache keys), held
+    around every call of the compiled module, at lowering and at load."""
+    configs: dict[str, Any]  # Inductor config, the CPU ISA's included
+    vec_isa: str | None  # the one vector ISA Inductor may see; None: not pinned (a GPU target)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         import torch
 
-        with cpu_isa.only_vec_isa(self.vec_isa), torch._inductor.config.patch(self.configs):
+        with contextlib.ExitStack() as stack:
+            if self.vec_isa is not None:
+                stack.enter_context(cpu_isa.only_vec_isa(self.vec_isa))
+            stack.enter_context(torch._inductor.config.patch(self.configs))
             yield
 
 
@@ -96,7 +101,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
         for inputs in sets:
             mark_dynamic(ep, inputs.args, marks)
             step(module)(*inputs.args, **inputs.kwargs)
-        build = kernels.build_command()
+        build = kernels.build_command() if loaded else None  # a GPU step may have no CPU kernel
         probe = kernels.isa_probe(pin.vec_isa) if pin.vec_isa else []
     problem = _backward_problem()
     if problem:
@@ -104,7 +109,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
     saved = torch.compiler.save_cache_artifacts()
     if saved is None or not saved[1].artifacts.get("inductor"):
         raise LoweringError("torch.compile recorded no Inductor cache artifacts (did every call fall back to eager?)")
-    aot = torch._dynamo.utils.counters["aot_autograd"]
+    aot, inductor = torch._dynamo.utils.counters["aot_autograd"], torch._dynamo.utils.counters["inductor"]
     facts = {
         "format": FORMAT,
         "graphs": {"forward": int(aot["total"]), "backward": int(aot["autograd_cache_saved"] + aot["autograd_cache_hit"]),
@@ -112,6 +117,8 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
         "saved_for_backward": {**saved_for_backward(module(*sets[0].args, **sets[0].kwargs), list(module.parameters())),
                                "at": sets[0].label},
         "build_command": build,
+        # GPU: Triton kernels the bundle carries compiled (saved now, or read from Inductor's cache)
+        "triton_kernels": int(inductor["triton_bundler_save_kernel"] + inductor["triton_bundler_read_and_emit_kernel"]),
         "isa_probe": kernels.relative(probe[0]) if probe else None,  # installed first at load: see `load`
         # how verification made random draws comparable (workers/sandbox/steps.py refuses otherwise)
         "randomness": {"ops": random_ops(ep), "verified_with": "fallback_random" if pin.configs.get("fallback_random") else None},
@@ -132,10 +139,12 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[
     probe = unpacked.facts.get("isa_probe")
     if isinstance(probe, str) and probe in unpacked.kernels:
         kernels.install({probe: unpacked.kernels[probe]})
-    with pin.held():
-        problem = kernels.build_problem(list(unpacked.facts.get("build_command") or []))
-    if problem:
-        raise LoweringError(problem)
+    recorded = unpacked.facts.get("build_command")
+    if recorded:  # the bundle ships CPU kernels: this process must find them
+        with pin.held():
+            problem = kernels.build_problem([str(t) for t in recorded])
+        if problem:
+            raise LoweringError(problem)
     problem = host_problem()
     if problem:
         raise LoweringError(problem, retryable=True)
@@ -154,5 +163,6 @@ def describe(artifact: Path, isa: str, configs: dict[str, Any], marks: tuple[str
         "mark_dynamic": list(marks),
         "graphs": facts["graphs"], "saved_for_backward": facts["saved_for_backward"], "kernels": shipped,
         "build_command": facts["build_command"], "randomness": facts["randomness"],
+        "triton_kernels": facts["triton_kernels"],
         "load": "farm.client.warm_start(program, store=URI, target='inductor-cache', mode='train')",
     }
