@@ -14,7 +14,11 @@ process times from after `import torch` to the end of its N-th step, and counts 
 binaries built (new .so files in its Inductor cache dir) and Inductor's and AOTAutograd's
 cache misses.
 
-    .venv/bin/python bench/train_warm.py [--models mlp cnn]
+    .venv/bin/python bench/train_warm.py [--models mlp cnn] [--target inductor-cache:cuda]
+
+On a GPU host, `--target inductor-cache:cuda` (or `:sm_90`) runs both sides on the GPU, each with
+its own empty TRITON_CACHE_DIR too; builds then count Inductor's CPU binaries only, and the
+Triton kernels the warm side compiled are its Inductor misses.
 
 Prints warm_first_steps / cold_first_steps per model and over all; the goal is at most 0.2
 with 0 kernel compiles in the warm processes.
@@ -32,43 +36,50 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET = "inductor-cache:avx2"
+DEFAULT_TARGET = "inductor-cache:avx2"
 
 
-def child(side: str, program: str, store: str) -> None:
+def child(side: str, program: str, store: str, target: str) -> None:
     import torch
 
     t0 = time.perf_counter()
     from torch._dynamo.utils import counters
 
     from workers.backends import kernels
+    from workers.backends.cuda_target import is_cuda_isa
     from workers.check.inputs import input_sets
 
+    device = "cuda" if is_cuda_isa(target.partition(":")[2]) else "cpu"
     with kernels.counting_builds() as built:
+        ep = torch.export.load(program)
         if side == "warm":
             from farm.client import warm_start
 
-            model = warm_start(program, store=store, target=TARGET, mode="train")
+            model = warm_start(ep, store=store, target=target, mode="train")
         else:
-            model = torch.export.load(program).module()
+            from torch.export.passes import move_to_device_pass
+
+            model = (move_to_device_pass(ep, device) if device != "cpu" else ep).module()
             model.compile()
-        ep = torch.export.load(program)
-        example, other = input_sets(ep, 1)[:2]
+        example, other = (s.to(device) for s in input_sets(ep, 1)[:2])
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for s in (example, other, example):
             out = model(*s.args, **s.kwargs)
             out.float().sum().backward()
             opt.step()
             opt.zero_grad()
+        if device == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     print(json.dumps({"seconds": seconds, "builds": len(built), "steps": 3,
                       "fx_misses": counters["inductor"].get("fxgraph_cache_miss", 0),
                       "aot_misses": counters["aot_autograd"].get("autograd_cache_miss", 0)}))
 
 
-def _run_child(side: str, program: Path, store: Path, cache: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, "--child", side, str(program), str(store)], env=env,
+def _run_child(side: str, program: Path, store: Path, cache: Path, target: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, "--child", side, str(program), str(store), target], env=env,
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"the {side} process for {program.stem} failed:\n{proc.stderr[-3000:]}")
@@ -78,13 +89,15 @@ def _run_child(side: str, program: Path, store: Path, cache: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", help="smoke-zoo entries (default: all)")
-    ap.add_argument("--child", nargs=3, metavar=("SIDE", "PROGRAM", "STORE"), help=argparse.SUPPRESS)
+    ap.add_argument("--target", default=DEFAULT_TARGET, help="inductor-cache[:isa or :sm_XX / :cuda], without +train")
+    ap.add_argument("--child", nargs=4, metavar=("SIDE", "PROGRAM", "STORE", "TARGET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
     root = Path(tempfile.mkdtemp(prefix="farm-train-warm-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "farm-worker")  # the farm's own, apart from both sides
+    os.environ["TRITON_CACHE_DIR"] = str(root / "farm-worker" / "triton")
     sys.path.insert(0, str(ROOT))
 
     from farm.zoo import export_zoo
@@ -94,7 +107,8 @@ def main() -> None:
 
     programs = export_zoo(root / "zoo", args.models or None)
     store = root / "store"
-    job = parse_job({"name": "train-warm", "graphs": [str(p) for p in programs], "targets": [f"{TARGET}+train"]})
+    target = args.target
+    job = parse_job({"name": "train-warm", "graphs": [str(p) for p in programs], "targets": [f"{target}+train"]})
     t0 = time.perf_counter()
     outcome = execute(job, store_from_uri(str(store)))
     print(f"farm compile of {len(programs)} training steps: {time.perf_counter() - t0:.1f} s")
@@ -106,8 +120,8 @@ def main() -> None:
           f"{'warm misses (fx/aot)':>22}{'warm/cold':>11}")
     ratios, cold_total, warm_total, warm_builds = [], 0.0, 0.0, 0
     for program in programs:
-        cold = _run_child("cold", program, store, root / f"cold-{program.stem}")
-        warm = _run_child("warm", program, store, root / f"warm-{program.stem}")
+        cold = _run_child("cold", program, store, root / f"cold-{program.stem}", target)
+        warm = _run_child("warm", program, store, root / f"warm-{program.stem}", target)
         ratio = warm["seconds"] / cold["seconds"]
         ratios.append(ratio)
         cold_total, warm_total, warm_builds = cold_total + cold["seconds"], warm_total + warm["seconds"], warm_builds + warm["builds"]
@@ -115,7 +129,7 @@ def main() -> None:
               f"{str(warm['fx_misses']) + '/' + str(warm['aot_misses']):>22}{ratio:>11.3f}")
     print(f"\ncompared: the first 3 training steps (forward, backward, SGD step; example size, another size, example "
           f"size) in fresh processes with empty Inductor caches: plain `ep.module().compile()` (cold) against "
-          f"`warm_start` from the farm's {TARGET}+train artifact (warm), timed from after `import torch`")
+          f"`warm_start` from the farm's {target}+train artifact (warm), timed from after `import torch`")
     print(f"warm_first_steps / cold_first_steps: {warm_total / cold_total:.3f} over all models, median per model "
           f"{statistics.median(ratios):.3f} (goal <= 0.2); kernel compiles in the warm processes: {warm_builds} (goal 0)")
 

@@ -101,3 +101,17 @@ def test_a_target_for_another_architecture_is_refused_before_any_work(gpu_store,
     result = run_unit(_unit(zoo_dir, gpu_store, f"aoti-cuda:{other}"), gpu_store)
     assert result.status == "failed" and f"not {other}" in result.error, result.error
     assert "lower" not in result.timings
+
+
+def test_a_gpu_training_bundle_trains_a_fresh_process_with_no_compile(zoo_dir, tmp_path):
+    from scheduler.jobs import execute
+    from tests.test_training import train_in_fresh_process
+
+    store = store_from_uri(str(tmp_path / "store"))
+    (r,) = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["inductor-cache:cuda+train"]}), store).results
+    assert r.status == "compiled", r.error
+    facts = store.get_manifest(r.key)["artifact"]
+    assert facts["graphs"]["backward"] >= 1 and facts["triton_kernels"] >= 1  # Triton's kernels are in the bundle
+    got = train_in_fresh_process(zoo_dir / "mlp.pt2", tmp_path / "store", "inductor-cache:cuda", tmp_path)
+    assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_miss", 0) == 0
+    assert got["builds"] == [] and got["ok"], got["problems"]

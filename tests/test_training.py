@@ -47,21 +47,25 @@ def test_the_manifest_says_what_autograd_decided_and_the_step_was_verified_and_t
     assert r.target == TARGET
 
 
-_TRAIN = """
+# A training script on a fresh machine: argv program, store, target (a GPU target trains on the GPU).
+TRAIN_SCRIPT = """
 import json, sys, torch
 from torch._dynamo.utils import counters
+from torch.export.passes import move_to_device_pass
 from farm.client import warm_start
 from workers.backends import kernels
 from workers.check.inputs import input_sets
 from workers.check.train import verify_training
-program, store = sys.argv[1], sys.argv[2]
-model = warm_start(program, store=store, target="inductor-cache:avx2", mode="train")
+program, store, target = sys.argv[1], sys.argv[2], sys.argv[3]
+device = "cuda" if target.split(":")[-1].startswith(("sm_", "cuda")) else "cpu"
+model = warm_start(program, store=store, target=target, mode="train")
 ep = torch.export.load(program)
-eager = ep.module()
+eager = (move_to_device_pass(ep, device) if device == "cuda" else ep).module()
+sets = [s.to(device) for s in input_sets(ep, 2)]
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 with kernels.counting_builds() as built:
-    report = verify_training(eager, model, input_sets(ep, 2), 1e-4, 1e-4)
-    for s in input_sets(ep, 2):  # the training loop a user writes
+    report = verify_training(eager, model, sets, 1e-4, 1e-4)
+    for s in sets:  # the training loop a user writes
         loss = model(*s.args).sum()
         loss.backward()
         opt.step()
@@ -73,13 +77,18 @@ print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["
 """
 
 
-def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_dir, tmp_path):
-    d, store, _ = trained
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh")}  # a machine that never compiled it
-    proc = subprocess.run([sys.executable, "-c", _TRAIN, str(zoo_dir / "mlp.pt2"), str(d / "store")], env=env,
+def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Path) -> dict:
+    """TRAIN_SCRIPT's report, run where Inductor's and Triton's caches are empty (a machine that never compiled it)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(program), str(store), target], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_dir, tmp_path):
+    d, store, _ = trained
+    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path)
     assert got["builds"] == []  # no kernel compiled: the bundle's binaries were used
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["inductor"].get("fxgraph_cache_hit", 0) >= 2
     assert got["aot"].get("autograd_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_hit", 0) >= 1
