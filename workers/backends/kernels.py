@@ -9,8 +9,9 @@ paths. That works only where the consumer's build command is the producer's (com
 include paths): `build_command` is recorded, and a consumer on another one is refused instead
 of compiling every kernel without a word.
 
-The artifact is a tar (not a zip: zips are checked as .pt2 archives): `bundle.bin`,
-`facts.json`, `kernels/<path under the cache dir>`.
+The artifact is a tar (not a zip: zips are checked as .pt2 archives): the compiled program's
+parts (`bundle.bin` for a cache bundle, `fn-0.bin`, `fn-1.bin`, … for precompiled functions),
+`facts.json`, and `kernels/<path under the cache dir>`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from typing import Any, Iterator
 from workers.backends.base import LoweringError
 
 MAX_MEMBERS = 4096
+PART = re.compile(r"bundle\.bin|fn-\d{1,3}\.bin")  # the compiled program's parts
 _installed: set[Path] = set()  # kernels this process put in place (counting_builds leaves them out)
 MAX_BYTES = 4 << 30  # a bundle's kernels, all together
 
@@ -107,12 +110,12 @@ def relative(path: str) -> str | None:
     return p.relative_to(root).as_posix() if p.is_relative_to(root) and p.is_file() else None
 
 
-def pack(out: Path, bundle: bytes, kernels: list[str], facts: dict[str, Any]) -> int:
+def pack(out: Path, parts: dict[str, bytes], kernels: list[str], facts: dict[str, Any]) -> int:
     """Write the artifact; returns how many kernels it holds. Kernels outside Inductor's cache
     dir (none expected) are left out."""
     names = {name: Path(k) for k in kernels if (name := relative(k))}
     with tarfile.open(out, "w") as tar:
-        for name, data in (("bundle.bin", bundle), ("facts.json", json.dumps(facts, sort_keys=True).encode())):
+        for name, data in (*parts.items(), ("facts.json", json.dumps(facts, sort_keys=True).encode())):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -123,13 +126,13 @@ def pack(out: Path, bundle: bytes, kernels: list[str], facts: dict[str, Any]) ->
 
 @dataclass
 class Unpacked:
-    bundle: bytes
+    parts: dict[str, bytes]  # the compiled program's parts, by name (PART)
     facts: dict[str, Any]
     kernels: dict[str, bytes]  # path under Inductor's cache dir → the binary
 
 
 def _member_problem(m: tarfile.TarInfo) -> str | None:
-    if m.name in ("bundle.bin", "facts.json"):
+    if m.name == "facts.json" or PART.fullmatch(m.name):
         return None if m.isfile() else "is not a plain file"
     parts = Path(m.name).parts
     if parts[0] != "kernels" or len(parts) < 2 or ".." in parts or m.name.startswith("/"):
@@ -156,15 +159,16 @@ def unpack(artifact: Path, label: str) -> Unpacked:
                 files[m.name] = tar.extractfile(m).read()  # type: ignore[union-attr]
     except tarfile.TarError as e:
         raise LoweringError(f"{label} is not a training bundle the farm wrote ({e})") from e
-    if "bundle.bin" not in files or "facts.json" not in files:
-        raise LoweringError(f"{label} lacks bundle.bin or facts.json; the artifact is damaged or not the farm's")
+    parts = {name: files.pop(name) for name in list(files) if PART.fullmatch(name)}
+    if not parts or "facts.json" not in files:
+        raise LoweringError(f"{label} lacks its compiled program or facts.json; the artifact is damaged or not the farm's")
     try:
         facts = json.loads(files.pop("facts.json"))
     except ValueError as e:
         raise LoweringError(f"{label}: facts.json is not JSON ({e})") from e
     if not isinstance(facts, dict):
         raise LoweringError(f"{label}: facts.json is not a JSON object")
-    return Unpacked(files.pop("bundle.bin"), facts, {k.removeprefix("kernels/"): v for k, v in files.items()})
+    return Unpacked(parts, facts, {k.removeprefix("kernels/"): v for k, v in files.items()})
 
 
 def install(kernels: dict[str, bytes]) -> int:

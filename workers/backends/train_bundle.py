@@ -101,8 +101,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
         for inputs in sets:
             mark_dynamic(ep, inputs.args, marks)
             step(module)(*inputs.args, **inputs.kwargs)
-        build = kernels.build_command() if loaded else None  # a GPU step may have no CPU kernel
-        probe = kernels.isa_probe(pin.vec_isa) if pin.vec_isa else []
+        shipping, binaries = kernel_facts(loaded, pin)
     problem = _backward_problem()
     if problem:
         raise LoweringError(problem)
@@ -116,25 +115,30 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
                    "inductor_entries": len(saved[1].artifacts["inductor"])},
         "saved_for_backward": {**saved_for_backward(module(*sets[0].args, **sets[0].kwargs), list(module.parameters())),
                                "at": sets[0].label},
-        "build_command": build,
+        **shipping,
         # GPU: Triton kernels the bundle carries compiled (saved now, or read from Inductor's cache)
         "triton_kernels": int(inductor["triton_bundler_save_kernel"] + inductor["triton_bundler_read_and_emit_kernel"]),
-        "isa_probe": kernels.relative(probe[0]) if probe else None,  # installed first at load: see `load`
         # how verification made random draws comparable (workers/sandbox/steps.py refuses otherwise)
         "randomness": {"ops": random_ops(ep), "verified_with": "fallback_random" if pin.configs.get("fallback_random") else None},
     }
     out = workdir / "training-bundle.tar"
-    kernels.pack(out, saved[0], loaded + probe, facts)
+    kernels.pack(out, {"bundle.bin": saved[0]}, binaries, facts)
     return out
 
 
-def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[], str | None]) -> torch.nn.Module:
-    """The trainable module, with the bundle loaded and its kernels in Inductor's cache dir.
-    Refuses a bundle this process would compile kernels for instead of using them, and a host
-    that cannot run the target's ISA. The ISA's probe goes in first: Inductor's check of the
-    host (in both refusals) then loads it instead of building it."""
-    import torch
+def kernel_facts(loaded: list[str], pin: Pin) -> tuple[dict[str, Any], list[str]]:
+    """What a consumer checks before it uses the kernels, and the binaries to ship: those loaded,
+    and the ISA's probe (installed first at load: see `installed`). Called with the pin held."""
+    build = kernels.build_command() if loaded else None  # a GPU step may have no CPU kernel
+    probe = kernels.isa_probe(pin.vec_isa) if pin.vec_isa else []
+    return {"build_command": build, "isa_probe": kernels.relative(probe[0]) if probe else None}, loaded + probe
 
+
+def installed(artifact: Path, pin: Pin, host_problem: Callable[[], str | None]) -> kernels.Unpacked:
+    """The artifact's parts, with its kernels in Inductor's cache dir. Refuses an artifact this
+    process would compile kernels for instead of using them, and a host that cannot run the
+    target's ISA. The ISA's probe goes in first: Inductor's check of the host (in both
+    refusals) then loads it instead of building it."""
     unpacked = kernels.unpack(artifact, str(artifact))
     probe = unpacked.facts.get("isa_probe")
     if isinstance(probe, str) and probe in unpacked.kernels:
@@ -149,19 +153,32 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[
     if problem:
         raise LoweringError(problem, retryable=True)
     kernels.install(unpacked.kernels)
-    if torch.compiler.load_cache_artifacts(unpacked.bundle) is None:
+    return unpacked
+
+
+def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[], str | None]) -> torch.nn.Module:
+    """The trainable module, with the bundle loaded and its kernels in place (see `installed`)."""
+    import torch
+
+    unpacked = installed(artifact, pin, host_problem)
+    if "bundle.bin" not in unpacked.parts or torch.compiler.load_cache_artifacts(unpacked.parts["bundle.bin"]) is None:
         raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
     return trainable(ep.module(), pin)
 
 
-def describe(artifact: Path, isa: str, configs: dict[str, Any], marks: tuple[str, ...]) -> dict[str, Any]:
-    with tarfile.open(artifact, "r:") as tar:  # our own, just written
+def shipped(artifact: Path) -> tuple[dict[str, Any], int]:
+    """An artifact's facts and how many kernels it ships (our own, just written)."""
+    with tarfile.open(artifact, "r:") as tar:
         facts = json.load(tar.extractfile("facts.json"))  # type: ignore[arg-type]
-        shipped = sum(1 for m in tar.getmembers() if m.name.startswith("kernels/"))
+        return facts, sum(1 for m in tar.getmembers() if m.name.startswith("kernels/"))
+
+
+def describe(artifact: Path, isa: str, configs: dict[str, Any], marks: tuple[str, ...]) -> dict[str, Any]:
+    facts, count = shipped(artifact)
     return {
         "format": FORMAT, "mode": "train", "isa": isa, "serving_config": configs, "grad_mode": "enabled",
         "mark_dynamic": list(marks),
-        "graphs": facts["graphs"], "saved_for_backward": facts["saved_for_backward"], "kernels": shipped,
+        "graphs": facts["graphs"], "saved_for_backward": facts["saved_for_backward"], "kernels": count,
         "build_command": facts["build_command"], "randomness": facts["randomness"],
         "triton_kernels": facts["triton_kernels"],
         "load": "farm.client.warm_start(program, store=URI, target='inductor-cache', mode='train')",
