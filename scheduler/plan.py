@@ -114,8 +114,10 @@ def _candidates(unit: Unit, t: TargetSpec) -> list[Unit]:
     candidates are also measured at every hot size; each hot size gets a static
     specialization candidate of its own."""
     hot = tuple((where, size) for where, sizes in t.autotune.specialize.items() for size in sizes)
+    static = unit.target.backend == "aot-compile"  # static shapes: it builds for every hot size as well
     configs = [
-        replace(unit, target=replace(unit.target, candidate=name, options=tuple(sorted({**t.options, **options}.items()))),
+        replace(unit, target=replace(unit.target, candidate=name, options=tuple(sorted({**t.options, **options}.items())),
+                                     sizes=hot if static else ()),
                 remeasure=t.autotune.retune, hot_sizes=hot)
         for name, options in t.space().items()
     ]

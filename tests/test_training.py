@@ -23,16 +23,26 @@ from workers.unit import Target
 pytestmark = pytest.mark.slow
 
 TARGET = "inductor-cache:avx2+train"
+PRECOMPILED = "aot-compile:avx2+train"
 
 
 @pytest.fixture(scope="module")
-def trained(zoo_dir, tmp_path_factory):
-    """The smoke MLP's training step compiled by the farm into a local store."""
+def both(zoo_dir, tmp_path_factory):
+    """The smoke MLP's training step compiled by the farm into a local store, as a bundle and as
+    precompiled functions."""
     d = tmp_path_factory.mktemp("train")
     store = store_from_uri(str(d / "store"))
-    (r,) = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": [TARGET]}), store).results
-    assert r.status == "compiled", r.error
-    return d, store, r
+    job = {"graphs": [str(zoo_dir / "mlp.pt2")], "targets": [TARGET, PRECOMPILED]}
+    results = {r.target: r for r in execute(parse_job(job), store).results}
+    for r in results.values():
+        assert r.status == "compiled", r.error
+    return d, store, results
+
+
+@pytest.fixture(scope="module")
+def trained(both):
+    d, store, results = both
+    return d, store, results[TARGET]
 
 
 def test_the_manifest_says_what_autograd_decided_and_the_step_was_verified_and_timed(trained):
@@ -56,16 +66,16 @@ from farm.client import warm_start
 from workers.backends import kernels
 from workers.check.inputs import input_sets
 from workers.check.train import verify_training
-program, store, target = sys.argv[1], sys.argv[2], sys.argv[3]
+program, store, target, extra = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 device = "cuda" if target.split(":")[-1].startswith(("sm_", "cuda")) else "cpu"
 model = warm_start(program, store=store, target=target, mode="train")
 ep = torch.export.load(program)
 eager = (move_to_device_pass(ep, device) if device == "cuda" else ep).module()
-sets = [s.to(device) for s in input_sets(ep, 2)]
+sets = [s.to(device) for s in input_sets(ep, extra)]
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 with kernels.counting_builds() as built:
     report = verify_training(eager, model, sets, 1e-4, 1e-4)
-    for s in sets:  # the training loop a user writes
+    for s in sets * 2:  # the training loop a user writes
         loss = model(*s.args).sum()
         loss.backward()
         opt.step()
@@ -77,10 +87,10 @@ print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["
 """
 
 
-def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Path) -> dict:
+def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Path, extra_sizes: int = 2) -> dict:
     """TRAIN_SCRIPT's report, run where Inductor's and Triton's caches are empty (a machine that never compiled it)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(program), str(store), target], env=env,
+    proc = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(program), str(store), target, str(extra_sizes)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,6 +105,27 @@ def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_d
     assert got["ok"], got["problems"]
     assert len(got["checked"]) >= 2  # the example size and another inside the dynamic range
     assert got["names"] == got["eager_names"]  # no _orig_mod. prefix: checkpoints and optimizers just work
+
+
+def test_a_fresh_process_trains_from_the_precompiled_function_without_compiling(both, zoo_dir, tmp_path):
+    d, store, results = both
+    facts = store.get_manifest(results[PRECOMPILED].key)["artifact"]
+    assert facts["shapes"] == "static" and facts["sizes"] == ["example"] and facts["kernels"] >= 2
+    assert facts["saved_for_backward"]["bytes"] > 0
+    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "aot-compile:avx2", tmp_path, extra_sizes=0)
+    assert got["builds"] == [] and got["ok"], got["problems"]
+    assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_miss", 0) == 0
+    assert got["names"] == got["eager_names"]
+
+
+def test_a_precompiled_function_refuses_a_size_it_was_not_built_for(both, zoo_dir, tmp_path):
+    d, store, results = both
+    artifact = store.fetch(results[PRECOMPILED].artifact.digest, tmp_path / "precompiled.tar")
+    target = Target("aot-compile", isa="avx2", mode="train")
+    model = resolve(target).load(artifact, target, torch.export.load(str(zoo_dir / "mlp.pt2")))
+    model(torch.randn(8, 32)).sum().backward()  # the example's size
+    with pytest.raises(ValueError, match="static shapes, built for example"):
+        model(torch.randn(3, 32))
 
 
 def test_a_bundle_without_its_backward_is_refused(zoo_dir, monkeypatch, tmp_path):

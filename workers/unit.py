@@ -27,6 +27,8 @@ class Target:
     # inductor-cache in a gang: `<input>.<dim>`s every rank marks dynamic before torch.compile sees them
     mark_dynamic: tuple[str, ...] = ()
     mode: Mode = "inference"
+    # aot-compile: the sizes (`<input>.<dim>`, size) it also builds for besides the example's (its shapes are static)
+    sizes: tuple[tuple[str, int], ...] = ()
 
     @property
     def base_label(self) -> str:

@@ -6,13 +6,14 @@ from workers.unit import Target
 
 
 def _registry() -> dict[str, Backend]:
+    from workers.backends.aot_compile import AotCompile
     from workers.backends.aoti_cpu import AotiCpu
     from workers.backends.aoti_cuda import AotiCuda
     from workers.backends.core_aten import CoreAten
     from workers.backends.executorch import ExecuTorch
     from workers.backends.inductor_cache import InductorCache
 
-    return {b.name: b for b in (AotiCpu(), AotiCuda(), InductorCache(), ExecuTorch(), CoreAten())}
+    return {b.name: b for b in (AotiCpu(), AotiCuda(), InductorCache(), AotCompile(), ExecuTorch(), CoreAten())}
 
 
 def _gpu_forms() -> dict[str, Backend]:

@@ -51,6 +51,8 @@ class Backend(Protocol):
     device: str
     # What its artifacts serve: ("inference",), or also "train" (forward and backward of a step).
     modes: tuple[str, ...]
+    # True if the artifact serves only the sizes it was built for (checked and measured at those only)
+    static_shapes: bool
 
     def validate(self, target: Target) -> None:
         """Raise LoweringError if the target's fields make no sense for this backend."""

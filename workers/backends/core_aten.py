@@ -52,6 +52,7 @@ class CoreAten:
     weights_in_code = True  # the saved program carries its weights
     device = "cpu"
     modes = ("inference",)
+    static_shapes = False
 
     def __init__(self) -> None:
         self._lowered: tuple[str, dict[str, int]] | None = None  # the last artifact and its ops, for describe

@@ -118,6 +118,7 @@ class PinnedCpuTarget:
     name: str
     device = "cpu"
     modes: tuple[str, ...] = ("inference",)
+    static_shapes = False
 
     def isa(self, target: Target) -> tuple[str, Isa]:
         name = target.isa or DEFAULT_ISA

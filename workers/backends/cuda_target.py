@@ -32,6 +32,7 @@ def current_arch() -> str:
 class CudaTarget:
     name: str
     device = "cuda"
+    static_shapes = False
 
     @staticmethod
     def named_arch(target: Target) -> str | None:

@@ -111,6 +111,7 @@ class ExecuTorch:
     weights_in_code = True  # a .pte holds its weights as constants
     device = "cpu"
     modes = ("inference",)
+    static_shapes = False
 
     def delegate(self, target: Target) -> str:
         if target.isa not in DELEGATES:

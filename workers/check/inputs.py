@@ -115,3 +115,12 @@ def input_sets(ep: ExportedProgram, extra_sizes: int = 2, seed: int = 0) -> list
         for value in _other_values(example, lo, hi, extra_sizes):
             sets.append(inputs_at(ep, {sym: value}, f"{sym}={value}", gen))
     return sets
+
+
+def static_sets(ep: ExportedProgram, sizes: tuple[tuple[str, int], ...]) -> list[InputSet]:
+    """An artifact with static shapes is built and checked at these only: the example inputs,
+    and for each (`<input>.<dim>`, size) the example with that dimension at that size."""
+    dims = dynamic_dims(ep)
+    gen = torch.Generator().manual_seed(0)
+    return input_sets(ep, 0) + [inputs_at(ep, {dims[where][0]: size}, f"{where}={size}", gen)
+                                for where, size in sizes if where in dims]

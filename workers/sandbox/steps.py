@@ -19,7 +19,7 @@ from workers.autotune.share import benchmarked, recording_timings
 from workers.autotune.specialize import reexport, specialization_problems, specialize
 from workers.backends import LoweringError, resolve
 from workers.check.benchmark import measure
-from workers.check.inputs import dynamic_dims, input_sets, inputs_at
+from workers.check.inputs import dynamic_dims, input_sets, inputs_at, static_sets
 from workers.check.train import random_ops, step, verify_training
 from workers.check.verify import VerifyReport, verify
 from workers.errors import summary
@@ -167,11 +167,15 @@ class Steps(GangSteps):
     def check(self, unit: Unit, artifact: str, verify_it: bool, bench_it: bool) -> dict[str, Any]:
         """Load an artifact (a freshly lowered one, or one from the store), verify it against the
         program run eagerly and measure both."""
-        ep, device = self._on_device(unit), resolve(unit.target).device
+        backend = resolve(unit.target)
+        ep, device = self._on_device(unit), backend.device
         compiled = self._load_artifact(unit, ep, Path(artifact))
         out: dict[str, Any] = {"metrics": {}, "checked": [], "problems": []}
+        program = self._program(unit)
         try:  # made on the CPU from the program as exported (random sizes need a CPU generator), then moved
-            sets = [s.to(device) for s in input_sets(self._program(unit), unit.verify.extra_sizes if verify_it else 0)]
+            sets = static_sets(program, unit.target.sizes) if backend.static_shapes else \
+                input_sets(program, unit.verify.extra_sizes if verify_it else 0)
+            sets = [s.to(device) for s in sets]
         except ValueError as e:
             raise StepFailed(str(e)) from e
         if verify_it:
