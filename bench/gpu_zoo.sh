@@ -2,7 +2,7 @@
 # The farm on one GPU host, without Ray (issue 10's GPU run): the smoke zoo through aoti-cuda in
 # process (`farm compile`), one compile process per model at once so several workers share the
 # GPU, then one autotune job, then the GPU tests (a GPU training bundle among them), then
-# bench/train_warm.py for `inductor-cache:cuda` training steps. Figures go to OUTDIR (default $OUT or /tmp/farm-gpu).
+# bench/train_warm.py for `inductor-cache:cuda` and `aot-compile:cuda` training steps. Figures go to OUTDIR (default $OUT or /tmp/farm-gpu).
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
@@ -56,7 +56,7 @@ wait
 
 echo "== training steps on the GPU: cold first steps against warm_start (issue 28)"
 if [[ $target == aoti-cuda ]]; then
-  "$py" bench/train_warm.py --target inductor-cache:cuda --models mlp cnn > "$out/train_warm.txt" 2>&1
+  "$py" bench/train_warm.py --targets inductor-cache:cuda aot-compile:cuda --models mlp cnn > "$out/train_warm.txt" 2>&1
   grep -v "^DEBUG" "$out/train_warm.txt" | tail -12
 fi
 tail -15 "$out/pytest.log"

@@ -1,9 +1,11 @@
 """A training job's first steps: compiled cold on the rank, against started from the farm, in one run.
 
-For each smoke-zoo model, the farm first compiles its training step (`inductor-cache:avx2` in
-`mode: train`) into a fresh local store. Then two fresh processes run the same first N steps
-(forward + backward + SGD step, at the example size, at a second size that makes automatic
-dynamic shapes compile the dynamic graph, and at the example size again):
+For each smoke-zoo model, the farm first compiles its training step into a fresh local store, as
+a bundle (`inductor-cache:avx2` in `mode: train`) and as precompiled functions (`aot-compile:avx2`).
+Then, per target, two fresh processes run the same first N steps (forward + backward + SGD
+step): for the bundle at the example size, at a second size that makes automatic dynamic shapes
+compile the dynamic graph, and at the example size again; for the precompiled functions, whose
+shapes are static, three times at the example size:
 
 - cold: what a rank does without the farm, `ep.module().compile()` (Inductor's defaults);
 - warm: `farm.client.warm_start(program, store)`, then the same steps.
@@ -14,9 +16,9 @@ process times from after `import torch` to the end of its N-th step, and counts 
 binaries built (new .so files in its Inductor cache dir) and Inductor's and AOTAutograd's
 cache misses.
 
-    .venv/bin/python bench/train_warm.py [--models mlp cnn] [--target inductor-cache:cuda]
+    .venv/bin/python bench/train_warm.py [--models mlp cnn] [--targets inductor-cache:cuda]
 
-On a GPU host, `--target inductor-cache:cuda` (or `:sm_90`) runs both sides on the GPU, each with
+On a GPU host, `--targets inductor-cache:cuda` (or `:sm_90`) runs both sides on the GPU, each with
 its own empty TRITON_CACHE_DIR too; builds then count Inductor's CPU binaries only, and the
 Triton kernels the warm side compiled are its Inductor misses.
 
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TARGET = "inductor-cache:avx2"
+DEFAULT_TARGETS = ["inductor-cache:avx2", "aot-compile:avx2"]
 
 
 def child(side: str, program: str, store: str, target: str) -> None:
@@ -63,7 +65,8 @@ def child(side: str, program: str, store: str, target: str) -> None:
             model.compile()
         example, other = (s.to(device) for s in input_sets(ep, 1)[:2])
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        for s in (example, other, example):
+        static = target.startswith("aot-compile")
+        for s in (example, example, example) if static else (example, other, example):
             out = model(*s.args, **s.kwargs)
             out.float().sum().backward()
             opt.step()
@@ -89,7 +92,8 @@ def _run_child(side: str, program: Path, store: Path, cache: Path, target: str) 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", help="smoke-zoo entries (default: all)")
-    ap.add_argument("--target", default=DEFAULT_TARGET, help="inductor-cache[:isa or :sm_XX / :cuda], without +train")
+    ap.add_argument("--targets", nargs="*", default=DEFAULT_TARGETS,
+                    help="inductor-cache or aot-compile [:isa or :sm_XX / :cuda], without +train")
     ap.add_argument("--child", nargs=4, metavar=("SIDE", "PROGRAM", "STORE", "TARGET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -107,31 +111,40 @@ def main() -> None:
 
     programs = export_zoo(root / "zoo", args.models or None)
     store = root / "store"
-    target = args.target
-    job = parse_job({"name": "train-warm", "graphs": [str(p) for p in programs], "targets": [f"{target}+train"]})
+    job = parse_job({"name": "train-warm", "graphs": [str(p) for p in programs],
+                     "targets": [f"{t}+train" for t in args.targets]})
     t0 = time.perf_counter()
     outcome = execute(job, store_from_uri(str(store)))
-    print(f"farm compile of {len(programs)} training steps: {time.perf_counter() - t0:.1f} s")
+    print(f"farm compile of {len(outcome.results)} training steps ({len(programs)} models × {', '.join(args.targets)}): "
+          f"{time.perf_counter() - t0:.1f} s")
     failed = [(r.graph, r.error) for r in outcome.results if r.status not in ("compiled", "hit")]
     if failed:
         raise SystemExit(f"the farm could not compile: {failed}")
 
-    print(f"\n{'model':<15}{'cold s':>9}{'cold builds':>13}{'warm s':>9}{'warm builds':>13}"
+    for target in args.targets:
+        _compare(target, programs, store, root)
+
+
+def _compare(target: str, programs: list[Path], store: Path, root: Path) -> None:
+    print(f"\n{target}+train\n{'model':<15}{'cold s':>9}{'cold builds':>13}{'warm s':>9}{'warm builds':>13}"
           f"{'warm misses (fx/aot)':>22}{'warm/cold':>11}")
     ratios, cold_total, warm_total, warm_builds = [], 0.0, 0.0, 0
     for program in programs:
-        cold = _run_child("cold", program, store, root / f"cold-{program.stem}", target)
-        warm = _run_child("warm", program, store, root / f"warm-{program.stem}", target)
+        name = f"{program.stem}-{target.replace(':', '-')}"
+        cold = _run_child("cold", program, store, root / f"cold-{name}", target)
+        warm = _run_child("warm", program, store, root / f"warm-{name}", target)
         ratio = warm["seconds"] / cold["seconds"]
         ratios.append(ratio)
         cold_total, warm_total, warm_builds = cold_total + cold["seconds"], warm_total + warm["seconds"], warm_builds + warm["builds"]
         print(f"{program.stem:<15}{cold['seconds']:>9.2f}{cold['builds']:>13}{warm['seconds']:>9.2f}{warm['builds']:>13}"
               f"{str(warm['fx_misses']) + '/' + str(warm['aot_misses']):>22}{ratio:>11.3f}")
-    print(f"\ncompared: the first 3 training steps (forward, backward, SGD step; example size, another size, example "
-          f"size) in fresh processes with empty Inductor caches: plain `ep.module().compile()` (cold) against "
-          f"`warm_start` from the farm's {target}+train artifact (warm), timed from after `import torch`")
-    print(f"warm_first_steps / cold_first_steps: {warm_total / cold_total:.3f} over all models, median per model "
-          f"{statistics.median(ratios):.3f} (goal <= 0.2); kernel compiles in the warm processes: {warm_builds} (goal 0)")
+    steps = "3 times at the example size" if target.startswith("aot-compile") else "example size, another size, example size"
+    print(f"compared: the first 3 training steps (forward, backward, SGD step; {steps}) in fresh processes with "
+          f"empty Inductor caches: plain `ep.module().compile()` (cold) against `warm_start` from the farm's "
+          f"{target}+train artifact (warm), timed from after `import torch`")
+    print(f"{target}: warm_first_steps / cold_first_steps: {warm_total / cold_total:.3f} over all models, median per "
+          f"model {statistics.median(ratios):.3f} (goal <= 0.2); kernel compiles in the warm processes: {warm_builds} "
+          f"(goal 0)")
 
 
 if __name__ == "__main__":

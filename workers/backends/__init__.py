@@ -18,9 +18,10 @@ def _registry() -> dict[str, Backend]:
 
 def _gpu_forms() -> dict[str, Backend]:
     """Backends whose targets also name a GPU (`inductor-cache:sm_90`, `:cuda`): that form is its own class."""
+    from workers.backends.aot_compile import AotCompileCuda
     from workers.backends.inductor_cache import InductorCacheCuda
 
-    return {b.name: b for b in (InductorCacheCuda(),)}
+    return {b.name: b for b in (InductorCacheCuda(), AotCompileCuda())}
 
 
 def backend_names() -> list[str]:
