@@ -116,6 +116,5 @@ def test_a_gpu_training_artifact_trains_a_fresh_process_with_no_compile(zoo_dir,
     got = train_in_fresh_process(zoo_dir / "mlp.pt2", tmp_path / "store", target, tmp_path, extra_sizes)
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_miss", 0) == 0
     assert got["builds"] == [] and got["ok"], got["problems"]
-    triton = [p for p in (tmp_path / "triton").rglob("*.cubin")] if target.startswith("inductor") else []
-    assert not target.startswith("inductor") or facts["triton_kernels"] >= 1, facts  # Triton's kernels are in the bundle
-    assert triton or not target.startswith("inductor")  # …and were put in place from it, not compiled (no miss above)
+    if target.startswith("inductor-cache"):
+        assert facts["triton_kernels"] >= 1, facts  # Triton's compiled kernels travel in the bundle
