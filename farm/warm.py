@@ -25,10 +25,16 @@ class WarmStartError(RuntimeError):
 
 
 def _target(target: str, mode: str, options: dict[str, Any] | None, weights: str) -> Any:
+    from pydantic import ValidationError
+
     from scheduler.spec import TargetSpec
     from workers.unit import Target
 
-    spec = TargetSpec.model_validate(target if "+" in target else f"{target}+{mode}")
+    try:
+        spec = TargetSpec.model_validate(target if "+" in target else f"{target}+{mode}")
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'target'}: {err['msg']}" for err in e.errors())
+        raise WarmStartError(f"target {target!r} with mode {mode!r}: {problems}") from e
     return Target(backend=spec.backend, isa=spec.isa, options=tuple(sorted((options or {}).items())),
                   weights=weights, mode=spec.mode)  # type: ignore[arg-type]
 
