@@ -51,7 +51,7 @@ def _run_job(start, store_uri: str) -> None:
     done = next((r for r in outcome.results if r.status in ("compiled", "hit")), None)
     if done:
         name = ("model.pte" if done.target.startswith("executorch") else
-                "training-bundle.tar" if done.target.endswith("+train") else "model.pt2")
+                "artifact.tar" if done.target.endswith("+train") or done.target.startswith("aot-compile") else "model.pt2")
         out.print(f"Fetch one (it prints how to load it): farm fetch {done.key[:16]} {name} --store {store_uri}")
     if outcome.count("compiled"):
         out.print(f"Why were there misses? farm explain --job {outcome.job_id} --store {store_uri}")

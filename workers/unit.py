@@ -11,7 +11,6 @@ Status = Literal["compiled", "hit", "failed", "skipped"]
 WeightsMode = Literal["values", "shapes"]
 # inference: the artifact serves forward calls; train: forward and backward of a training step
 Mode = Literal["inference", "train"]
-MODES: tuple[Mode, ...] = ("inference", "train")
 COMPILE_PHASES = ("lower", "verify", "benchmark")
 
 

@@ -143,8 +143,6 @@ class InductorCacheCuda(CudaTarget, InductorCache):
     Nothing is pinned on the host CPU; Triton's compiled kernels travel inside the bundle
     (`bundle_triton_into_fx_graph_cache`), so a GPU consumer compiles none."""
 
-    weights_in_code = False
-
     def target_components(self, target: Target) -> dict[str, Any]:
         marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
         mode = {"mode": target.mode} if target.mode != "inference" else {}

@@ -1,4 +1,5 @@
-"""Inductor's compiled CPU kernels, shipped with a training bundle so a fresh machine compiles nothing.
+"""Inductor's compiled CPU kernels, shipped with training bundles and precompiled functions so a
+fresh machine compiles nothing.
 
 A torch.compile cache bundle (Mega-Cache) carries kernel *source*: loading it in a process with
 an empty Inductor cache dir runs g++ again for every kernel (11.8 s of a 21.7 s cold start,
@@ -29,9 +30,9 @@ from typing import Any, Iterator
 from workers.backends.base import LoweringError
 
 MAX_MEMBERS = 4096
+MAX_BYTES = 4 << 30  # an artifact's members, all together
 PART = re.compile(r"bundle\.bin|fn-\d{1,3}\.bin")  # the compiled program's parts
 _installed: set[Path] = set()  # kernels this process put in place (counting_builds leaves them out)
-MAX_BYTES = 4 << 30  # a bundle's kernels, all together
 
 
 @contextlib.contextmanager
