@@ -201,3 +201,27 @@ def test_random_ops_are_verified_with_comparable_randomness_or_refused(tmp_path)
     assert seeded.status == "compiled", seeded.error
     randomness = store.get_manifest(seeded.key)["artifact"]["randomness"]
     assert randomness["verified_with"] == "fallback_random" and randomness["ops"]
+
+
+class _Broadcasting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.broadcast(self.fc(x), 0, dist.group.WORLD)
+
+
+def test_a_training_step_through_a_collective_autograd_cannot_differentiate_is_refused_naming_it(tmp_path):
+    from tests.gang_models import fake_group
+
+    with fake_group(0, 2):
+        ep = torch.export.export(_Broadcasting(), (torch.randn(4, 8),))
+    torch.export.save(ep, str(tmp_path / "tp.pt2"))
+    job = parse_job({"graphs": [str(tmp_path / "tp.pt2")], "targets": [TARGET]})
+    (r,) = execute(job, store_from_uri(str(tmp_path / "store"))).results
+    assert r.status == "failed" and r.failed_in == "lower", r.error
+    assert "_c10d_functional.broadcast" in r.error and "cannot differentiate" in r.error

@@ -64,6 +64,21 @@ def random_ops(ep: ExportedProgram) -> list[str]:
     return sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function" and _draws(n)})
 
 
+def undifferentiable_collectives(ep: ExportedProgram) -> list[str]:
+    """The program's functional collectives that autograd has no formula for (torch 2.13:
+    `broadcast`). Autograd backpropagates through such an op as if it were the identity, with
+    only a warning, so a training step through one would train on wrong gradients."""
+    found = set()
+    for n in ep.graph.nodes:
+        op = n.target
+        if n.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op.namespace == "_c10d_functional":
+            name = op._schema.name
+            if not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+                       for key in ("Autograd", "CompositeImplicitAutograd")):
+                found.add(str(op))
+    return sorted(found)
+
+
 def _grads(module: Any, s: InputSet, seed: int | None) -> tuple[Any, list[tuple[str, torch.Tensor | None]]]:
     if seed is not None:
         torch.manual_seed(seed)

@@ -20,7 +20,7 @@ from workers.autotune.specialize import reexport, specialization_problems, speci
 from workers.backends import LoweringError, resolve
 from workers.check.benchmark import measure
 from workers.check.inputs import dynamic_dims, input_sets, inputs_at, static_sets
-from workers.check.train import random_ops, step, verify_training
+from workers.check.train import random_ops, step, undifferentiable_collectives, verify_training
 from workers.check.verify import VerifyReport, verify
 from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
@@ -148,8 +148,8 @@ class Steps(GangSteps):
     def lower(self, unit: Unit, workdir: str) -> dict[str, Any]:
         backend = resolve(unit.target)
         ep = self._on_device(unit)
-        problem = _randomness_problem(unit, ep) if unit.target.mode == "train" else None
-        if problem:  # it could not be verified: say so before compiling it
+        problem = _training_problem(unit, ep) if unit.target.mode == "train" else None
+        if problem:  # it could not be verified, or would train on wrong gradients: say so before compiling it
             raise StepFailed(problem)
         before = benchmarked()
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
@@ -243,6 +243,17 @@ class Steps(GangSteps):
     def input_names(self, unit: Unit, program: str) -> dict[str, Any]:
         ep = load_program(Path(program), unit.source, list(unit.modules), _archive_limits(unit))
         return {"names": list(ep.graph_signature.user_inputs)}
+
+
+def _training_problem(unit: Unit, ep: ExportedProgram) -> str | None:
+    """Why this program's training step cannot be compiled as asked, or None."""
+    lacking = undifferentiable_collectives(ep)
+    if lacking:
+        return (f"the training step goes through {', '.join(lacking)}, which autograd in torch {torch.__version__} "
+                "cannot differentiate (it would backpropagate as if it were the identity, with a warning, and train "
+                "on wrong gradients); use a collective autograd supports (all_reduce, all_gather_into_tensor, "
+                "reduce_scatter_tensor, all_to_all_single), or compile this program for inference")
+    return _randomness_problem(unit, ep)
 
 
 def _randomness_problem(unit: Unit, ep: ExportedProgram) -> str | None:
