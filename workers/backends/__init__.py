@@ -49,8 +49,8 @@ def resolve(target: Target) -> Backend:
     from workers.backends.cuda_target import is_cuda_isa
 
     backend = get_backend(target.backend)
-    if is_cuda_isa(target.isa) and target.backend in _gpu_forms():
-        backend = _gpu_forms()[target.backend]
+    if is_cuda_isa(target.isa):
+        backend = _gpu_forms().get(target.backend, backend)
     backend.validate(target)
     if target.mode not in backend.modes:
         trains = ", ".join(n for n, b in _registry().items() if target.mode in b.modes)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from workers.backends import cpu_isa, kernels, train_bundle
-from workers.backends.aoti_cuda import cuda_toolchain
 from workers.backends.base import LoweringError
 from workers.backends.cuda_target import CudaTarget
 from workers.unit import Target
@@ -98,14 +97,11 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
 
     def target_components(self, target: Target) -> dict[str, Any]:
         sizes = {"sizes": [f"{w}={n}" for w, n in target.sizes]} if target.sizes else {}
-        return {**super().target_components(target), "mode": target.mode, **sizes}
-
-    def _isa_name(self, target: Target) -> str:
-        return self.isa(target)[0]
+        return {**self.device_components(target), "mode": target.mode, **sizes}
 
     def pin(self, target: Target) -> train_bundle.Pin:
-        configs = {**train_bundle.TRAIN_CONFIGS, **target.options_dict, **self.isa(target)[1].inductor_configs}
-        return train_bundle.Pin(configs, self.isa(target)[1].vec_isa)
+        isa_configs, vec_isa = self.isa_pin(target)
+        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **target.options_dict, **isa_configs}, vec_isa)
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         import torch
@@ -159,27 +155,13 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         facts, count = train_bundle.shipped(artifact)
         return {
-            "format": FORMAT, "mode": target.mode, "isa": self._isa_name(target), "serving_config": self.pin(target).configs,
+            "format": FORMAT, "mode": target.mode, "isa": self.isa_label(target), "serving_config": self.pin(target).configs,
             "shapes": "static", "sizes": facts["sizes"], "kernels": count, "build_command": facts["build_command"],
             **({"saved_for_backward": facts["saved_for_backward"]} if "saved_for_backward" in facts else {}),
             "load": f"farm.client.warm_start(program, store=URI, target='aot-compile', mode='{target.mode}')",
         }
 
 
-
 class AotCompileCuda(CudaTarget, AotCompile):
     """`aot-compile:sm_90` (`:cuda`: the worker's own GPU): the program moved to the GPU, placed,
     sandboxed and verified like `aoti-cuda`; nothing pinned on the host CPU."""
-
-    def target_components(self, target: Target) -> dict[str, Any]:
-        sizes = {"sizes": [f"{w}={n}" for w, n in target.sizes]} if target.sizes else {}
-        return {"backend": self.name, "device": "cuda", "arch": self.arch(target), "mode": target.mode, **sizes}
-
-    def toolchain(self, target: Target) -> dict[str, Any]:
-        return cuda_toolchain()
-
-    def pin(self, target: Target) -> train_bundle.Pin:
-        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **target.options_dict}, None)
-
-    def _isa_name(self, target: Target) -> str:
-        return self.arch(target)

@@ -11,12 +11,11 @@ The C++ wrapper runs on the host CPU: it is pinned to x86-64-v3 where Inductor c
 """
 from __future__ import annotations
 
-import importlib.metadata
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from workers.backends import cpu_isa, cxx
+from workers.backends import cpu_isa
 from workers.backends.aoti_cpu import (
     WEIGHTS_OUT_OF_CODE,
     compile_and_package,
@@ -26,25 +25,12 @@ from workers.backends.aoti_cpu import (
 )
 from workers.backends.base import LoweringError
 from workers.backends.cuda_target import CudaTarget, current_arch
-from workers.torch_files import standalone
 from workers.unit import Target
 
 if TYPE_CHECKING:  # torch is the sandbox child's; the worker that plans and keys never imports it
     from torch.export import ExportedProgram
 
 WRAPPER_ISA = "avx2"  # what the wrapper's host code may use when it can be pinned
-
-
-def _triton_version() -> str | None:
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def cuda_toolchain() -> dict[str, Any]:
-    # the driver is not here: artifacts hold cubins for the architecture, which any recent driver loads
-    return {**cxx.compiler(), "cuda": standalone("version.py").cuda, "triton": _triton_version()}
 
 
 def _kernels(artifact: Path) -> list[str]:
@@ -63,10 +49,7 @@ class AotiCuda(CudaTarget):
         return "native:" + ",".join(sorted(cpu_isa.host_vec_isas())), {}
 
     def target_components(self, target: Target) -> dict[str, Any]:
-        return {"backend": self.name, "device": "cuda", "arch": self.arch(target), "wrapper_isa": self._wrapper()[0]}
-
-    def toolchain(self, target: Target) -> dict[str, Any]:
-        return cuda_toolchain()
+        return {**self.device_components(target), "wrapper_isa": self._wrapper()[0]}
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         arch = self.named_arch(target) or current_arch()

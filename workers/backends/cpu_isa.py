@@ -65,14 +65,19 @@ def _one_vec_isa(name: str) -> list[Any]:
             if str(i) == name and all(f in flags for f in name.split()) and i]
 
 
-def host_runs(vec_isa: str) -> bool:
-    """Whether this host builds and runs `vec_isa`: from the host's record if it has one; else,
-    where torch is imported already (a sandbox, a training process), Inductor's check of that
-    ISA alone; else the record, asked."""
+def _kept_record() -> dict[str, Any] | None:
+    """The host's record if it has one; else, where torch is imported already (a sandbox, a
+    training process), None: ask Inductor here about only what is needed; else the record, asked."""
     known = inductor_host_known()
-    if known is None and "torch" in sys.modules:
-        return bool(_one_vec_isa(vec_isa))
-    return vec_isa in (known or inductor_host())["vec_isas"]
+    if known is None and "torch" not in sys.modules:
+        return inductor_host()
+    return known
+
+
+def host_runs(vec_isa: str) -> bool:
+    """Whether this host builds and runs `vec_isa` (without a record: Inductor's check of that ISA alone)."""
+    record = _kept_record()
+    return bool(_one_vec_isa(vec_isa)) if record is None else vec_isa in record["vec_isas"]
 
 
 @contextlib.contextmanager
@@ -106,10 +111,8 @@ def host_resources(slots: int) -> dict[str, float]:
 
 def can_pin() -> bool:
     """Whether this torch's Inductor can pin the ISA at all (`cpp.march` is newer than torch 2.11)."""
-    known = inductor_host_known()
-    if known is None and "torch" in sys.modules:
-        return _can_pin()
-    return (known or inductor_host())["can_pin"]
+    record = _kept_record()
+    return _can_pin() if record is None else record["can_pin"]
 
 
 class PinnedCpuTarget:
@@ -129,9 +132,21 @@ class PinnedCpuTarget:
     def validate(self, target: Target) -> None:
         self.isa(target)
 
-    def target_components(self, target: Target) -> dict[str, Any]:
+    def device_components(self, target: Target) -> dict[str, Any]:
+        """What about the device decides the artifact (a backend's key adds its own)."""
         name, isa = self.isa(target)
         return {"backend": self.name, "device": "cpu", "isa": name, "march": isa.march, "simdlen": isa.simdlen}
+
+    def target_components(self, target: Target) -> dict[str, Any]:
+        return self.device_components(target)
+
+    def isa_label(self, target: Target) -> str:
+        return self.isa(target)[0]
+
+    def isa_pin(self, target: Target) -> tuple[dict[str, Any], str | None]:
+        """Inductor settings that pin the ISA, and the one vector ISA Inductor may see."""
+        isa = self.isa(target)[1]
+        return isa.inductor_configs, isa.vec_isa
 
     def toolchain(self, target: Target) -> dict[str, Any]:
         return cxx.compiler()

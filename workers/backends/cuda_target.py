@@ -4,10 +4,12 @@ architecture (units route by the node's `farm_cuda_sm90` resource, and the worke
 GPU before building)."""
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from workers.backends import cuda, cxx
 from workers.backends.base import LoweringError, Placement
+from workers.torch_files import standalone
 from workers.unit import Target
 
 if TYPE_CHECKING:
@@ -27,6 +29,13 @@ def current_arch() -> str:
 
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class CudaTarget:
@@ -49,6 +58,22 @@ class CudaTarget:
         except cuda.GpuUnavailable as e:
             raise LoweringError(f"target {target.label} means this worker's GPU architecture, and it has none ({e}); "
                                 f"name one, e.g. {self.name}:sm_90", retryable=True) from None
+
+    def device_components(self, target: Target) -> dict[str, Any]:
+        """What about the device decides the artifact (a backend's key adds its own)."""
+        return {"backend": self.name, "device": "cuda", "arch": self.arch(target)}
+
+    def isa_label(self, target: Target) -> str:
+        return self.arch(target)
+
+    def isa_pin(self, target: Target) -> tuple[dict[str, Any], str | None]:
+        """Inductor settings that pin the ISA, and the one vector ISA Inductor may see: for a GPU
+        target, none (the host CPU is not pinned)."""
+        return {}, None
+
+    def toolchain(self, target: Target) -> dict[str, Any]:
+        # the driver is not here: artifacts hold cubins for the architecture, which any recent driver loads
+        return {**cxx.compiler(), "cuda": standalone("version.py").cuda, "triton": _triton_version()}
 
     def validate(self, target: Target) -> None:
         if target.isa and not is_cuda_isa(target.isa):

