@@ -97,9 +97,11 @@ def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Pa
 
 
 def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_dir, tmp_path):
-    d, store, _ = trained
+    d, store, r = trained
     got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path)
-    assert got["builds"] == []  # no kernel compiled: the bundle's binaries were used
+    shipped = sorted(m.name for m in tarfile.open(store.fetch(r.artifact.digest, tmp_path / "bundle.tar")).getmembers())
+    # no kernel compiled: the bundle's binaries were used
+    assert got["builds"] == [], {"shipped": shipped, "inductor": got["inductor"], "aot": got["aot"]}
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["inductor"].get("fxgraph_cache_hit", 0) >= 2
     assert got["aot"].get("autograd_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_hit", 0) >= 1
     assert got["ok"], got["problems"]
