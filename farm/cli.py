@@ -135,7 +135,13 @@ def resources(slots: Optional[int] = typer.Option(None, help="CPU compile worker
     import json
 
     from workers.backends import offered_resources
+    from workers.sandbox import jail
 
+    try:
+        isolation = jail.isolation()
+    except (jail.JailUnavailable, ValueError) as e:
+        raise _fail(str(e)) from e
+    typer.echo(f"sandbox: {jail.describe(isolation)}", err=True)  # stdout stays the resources, for ray start
     typer.echo(json.dumps(offered_resources(slots or os.cpu_count() or 1)))
 
 

@@ -1,6 +1,7 @@
 """Loading what the farm built, in Python (after `farm fetch KEY model.pt2`); `farm.client` re-exports it."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
         raise ValueError(f"{key} is not an autotuned unit in {s.uri}")
     blobs = manifest["blobs"]
     fallback = load_compiled(s.fetch(blobs["artifact"]["digest"], workdir / "dynamic.pt2"))
-    names = _input_names(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key, workdir)
+    names = _input_names(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key)
     statics = []
     for sp in manifest["autotune"]["specializations"]:
         if sp["chosen"]:
@@ -55,7 +56,7 @@ def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
     return run
 
 
-def _input_names(program: Path, key: str, workdir: Path) -> list[str]:
+def _input_names(program: Path, key: str) -> list[str]:
     """The program's input names, read in a sandbox: a program from the store is hostile input."""
     import time
 
@@ -63,10 +64,10 @@ def _input_names(program: Path, key: str, workdir: Path) -> list[str]:
     from workers.unit import Target, Unit
 
     unit = Unit(graph=key, source=f"the program of {key}", target=Target("aoti-cpu"), program=None)
-    with Sandbox() as sandbox:
+    with Sandbox() as sandbox, sandbox.workdir("names") as tmp:
         try:
-            reply = sandbox.call("input_names", workdir, unit.limits, time.monotonic() + 300, unit=unit,
-                                 program=str(program))
+            reply = sandbox.call("input_names", tmp, unit.limits, time.monotonic() + 300, unit=unit,
+                                 program=str(shutil.copy(program, tmp / "program.pt2")))
         except SandboxFailed as e:
             raise ValueError(f"cannot read the program of {key}: {e}") from e
     return [str(n) for n in reply.get("names") or []]

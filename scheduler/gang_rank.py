@@ -4,9 +4,9 @@ through; every rank imports torch for its gloo group."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ from workers import host_check
 from workers.gang.early import EarlyCompile, compiles_early
 from workers.gang.rank import GangComm, read_own_graph, run_rank
 from workers.gang.rendezvous import open_store
-from workers.sandbox import tempdirs
 from workers.sandbox.process import Sandbox
 from workers.unit import Gang, Target, UnitLimits, UnitResult
 
@@ -31,10 +30,11 @@ class GangRank:
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
         self.rank, self.host = rank, ray.util.get_node_ip_address()
         self.rendezvous = None
-        self.tmp: tempfile.TemporaryDirectory | None = None  # the rank's work dir, from `read` to the end of `run`
+        self.held = contextlib.ExitStack()  # the rank's work dir, from `read` to the end of `run`
+        self.tmp: Path | None = None
         self.own: dict[str, Any] = {}  # what its graph says (`read`)
         self.early: EarlyCompile | None = None
-        self.sandbox = Sandbox()
+        self.sandbox = Sandbox(network=True)  # its children verify through the gang's collectives
         if reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
             self.sandbox.prestart(limits, device)
         # Whether this host can build the target, asked by one rank (its probe builds serve the gang's
@@ -53,8 +53,8 @@ class GangRank:
         ranks' start. Rank 0 of identical ranks then starts compiling (workers/gang/early.py) and
         answers once that compile has the host check's answer, so that ranks started after this
         call (scheduler: `GangRunner`) take no CPU from its load and probe."""
-        self.tmp = tempfile.TemporaryDirectory(prefix=tempdirs.prefix("gang"))
-        self.own = read_own_graph(gang, self.rank, self.store, self.sandbox, Path(self.tmp.name))
+        self.tmp = self.held.enter_context(self.sandbox.workdir("gang"))
+        self.own = read_own_graph(gang, self.rank, self.store, self.sandbox, self.tmp)
         if compiles_early(gang, self.rank, self.own):
             self.early = EarlyCompile(gang.ranks[0], self.store, self.sandbox)
             concurrent.futures.wait([host_check.start(gang.ranks[0].target)])
@@ -65,14 +65,13 @@ class GangRank:
             store = self.rendezvous or open_store(address[0], address[1], False, timeout)
             comm = GangComm(store, self.rank, gang.world_size, timeout)
             try:
-                result = run_rank(comm, gang, self.own, self.store, self.sandbox, self.host, Path(self.tmp.name),
-                                  self.early)
+                result = run_rank(comm, gang, self.own, self.store, self.sandbox, self.host, self.tmp, self.early)
             finally:
                 comm.close()
         finally:
             if self.early is not None:  # the group never formed: it stops, publishing nothing
                 self.early.cancel("the gang's process group did not form")
-            self.tmp.cleanup()
+            self.held.close()
         result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
 

@@ -66,6 +66,7 @@ def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[
             yield from run_units_in(sandbox, units, store, events)
     finally:
         if kept:
+            _KEPT.renew()  # warm children serve one job: the next gets a fresh one, started now
             _KEPT_LOCK.release()
 
 

@@ -137,12 +137,12 @@ def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None
     programs = {u.graph: u for u in units if u.program is not None}
     if not asked or not programs:
         return
-    with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("check")) as tmp, Sandbox() as sandbox:  # graphs are hostile input
+    with Sandbox() as sandbox, sandbox.workdir("check") as tmp:  # graphs are hostile input
         wanted = [(i, where, sizes) for i, t in asked for where, sizes in t.autotune.specialize.items()]
         for graph, unit in sorted(programs.items()):
-            program = store.fetch(unit.program.digest, Path(tmp) / "program.pt2")
+            program = store.fetch(unit.program.digest, tmp / "program.pt2")
             try:  # one load of the graph answers every target's hot sizes
-                reply = sandbox.call("specialization_problems", Path(tmp), unit.limits,
+                reply = sandbox.call("specialization_problems", tmp, unit.limits,
                                      time.monotonic() + unit.limits.timeout_s, unit=unit, program=str(program),
                                      asked=[(where, sizes) for _, where, sizes in wanted])
             except SandboxFailed:

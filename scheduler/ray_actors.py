@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import ray
 
 from storage import CacheConfig, store_from_uri
+from workers.backends.cpu_isa import cpu_fingerprint
 from workers.pipeline import run_unit
 from workers.sandbox import tempdirs
 from workers.sandbox.process import Sandbox
@@ -24,11 +26,16 @@ class CompileWorker:
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
         self.sandbox = Sandbox()  # warm across units; replaced after a unit that failed in it
         self.sandbox.prestart(limits, device)  # imports torch while the pool starts
+        # what the host's CPU runs (asked of Inductor once per host, seconds of probe builds): learnt
+        # while the child starts, and before the first unit's clock starts
+        self.host_facts = threading.Thread(target=cpu_fingerprint if device == "cpu" else lambda: None, daemon=True)
+        self.host_facts.start()
 
     def pid(self) -> int:
         return os.getpid()
 
     def run(self, unit: Unit) -> UnitResult:
+        self.host_facts.join()
         result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
         return result

@@ -55,11 +55,11 @@ def test_a_crash_on_the_gpu_fails_the_unit_and_the_gpu_is_checked_before_the_nex
     with Sandbox() as sandbox:
         crasher = threading.Thread(target=_segfault_once_lowering, args=(sandbox, tmp_path))
         crasher.start()
-        crashed = run_unit(unit, gpu_store, sandbox, workdir=tmp_path)
+        crashed = run_unit(unit, gpu_store, sandbox)
         crasher.join()
         assert crashed.status == "failed" and "SIGSEGV" in crashed.error, crashed.error
         probes.clear()
-        result = run_unit(unit, gpu_store, sandbox, workdir=tmp_path)
+        result = run_unit(unit, gpu_store, sandbox)
     assert probes, "the GPU was not checked after the crash"
     assert result.status == "compiled", result.error
     assert result.metrics["max_abs_err"] < 1e-3 and result.metrics["compiled_ms"] > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def test_on_ray_a_segfault_does_not_replace_the_worker(ray_cluster, compiled, zo
     runner = RayRunner(PoolConfig(workers=1), job_id="crash-ray")
     outcome = execute(job, store, runner)
     results = {r.graph: r for r in outcome.results}
-    assert results["mlp"].status == "failed" and "SIGSEGV" in results["mlp"].error, results["mlp"].error
+    assert results["mlp"].status == "failed" and "SIGSEGV" in results["mlp"].error, store.get_bytes(results["mlp"].log.digest).decode()[-5000:] + str(results["cnn"]) + str(results["mlp"].timings)
     assert results["cnn"].status in ("hit", "compiled"), results["cnn"].error
     assert results["mlp"].retries == 0 and results["cnn"].retries == 0
     assert results["mlp"].worker == results["cnn"].worker  # one worker, same PID: never replaced
@@ -101,11 +102,9 @@ def test_the_child_holds_no_credentials_and_works_in_the_unit_dir(monkeypatch, t
     from workers.unit import Target, Unit
 
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
-    workdir = tmp_path / "unit"
-    workdir.mkdir()
-    with Sandbox() as sandbox:
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
         reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
-                             program=str(zoo_dir / "mlp.pt2"))
+                             program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
         assert len(reply["identity"]["program"]) == 64
         env = dict(line.split("=", 1) for line in
                    Path(f"/proc/{sandbox.pid}/environ").read_bytes().decode().split("\0") if "=" in line)
@@ -120,8 +119,9 @@ def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
 
     limits = UnitLimits(timeout_s=30, memory_gb=6, file_gb=1)
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None, limits=limits)
-    with Sandbox() as sandbox:
-        sandbox.call("identify", tmp_path, limits, time.monotonic() + 120, unit=unit, program=str(zoo_dir / "mlp.pt2"))
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        sandbox.call("identify", workdir, limits, time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
         text = Path(f"/proc/{sandbox.pid}/limits").read_text()
     rows = {line[:26].strip(): line[26:].split() for line in text.splitlines()[1:]}
     assert rows["Max address space"][0] == str(6 << 30)
@@ -139,11 +139,11 @@ def test_what_a_child_unpacks_goes_with_its_unit(compiled, zoo_dir, tmp_path):
     _, _, package, _ = compiled
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu", weights="shapes"), program=None)
     before = set(Path("/tmp").glob("aotinductor_*"))
-    with Sandbox() as sandbox:
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
         deadline = time.monotonic() + 120
-        sandbox.call("identify", tmp_path, UnitLimits(), deadline, unit=unit, program=str(zoo_dir / "mlp.pt2"))
-        reply = sandbox.call("check", tmp_path, UnitLimits(), deadline, unit=unit, artifact=str(package),
+        sandbox.call("identify", workdir, UnitLimits(), deadline, unit=unit, program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        reply = sandbox.call("check", workdir, UnitLimits(), deadline, unit=unit, artifact=shutil.copy(package, workdir),
                              verify_it=True, bench_it=False)
         assert reply["problems"] == [] and reply["checked"], reply
-        assert list(tmp_path.glob("aotinductor_*")), "the loaded artifact was unpacked somewhere else"
+        assert list(workdir.glob("aotinductor_*")), "the loaded artifact was unpacked somewhere else"
     assert set(Path("/tmp").glob("aotinductor_*")) <= before

@@ -66,11 +66,12 @@ def test_a_hosts_second_worker_takes_the_first_ones_host_check_without_importing
     from workers import host_check
     from workers.unit import Target
 
-    monkeypatch.setattr(host_check, "inductor_cache_dir", lambda: str(tmp_path / "cache"))
+    monkeypatch.setattr(host_check, "shared_cache_dir", lambda: str(tmp_path / "cache"))
     assert host_check._answer(Target("aoti-cpu", "avx2")) is None
     (answer,) = (tmp_path / "cache" / "farm-host-checks").glob("*.json")
     assert json.loads(answer.read_text())["toolchain"]["cxx"]  # what it was asked with: host, compiler, torch
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "FARM_SHARED_CACHE": str(tmp_path / "cache")}
     second = subprocess.run([sys.executable, "-c", ASK_AGAIN], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout.split() == ["None", "False"]  # the answer, and Inductor never imported
@@ -81,7 +82,7 @@ def test_a_problem_is_asked_again_and_a_new_compiler_asks_again(monkeypatch, tmp
     from workers.backends import cpu_isa, cxx
     from workers.unit import Target
 
-    monkeypatch.setattr(host_check, "inductor_cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(host_check, "shared_cache_dir", lambda: str(tmp_path))
     asked = []
     answers = iter(["no compiler", None, None])
     monkeypatch.setattr(cpu_isa.PinnedCpuTarget, "host_problem", lambda self, t: asked.append(t) or next(answers))
@@ -127,7 +128,7 @@ def test_a_pool_worker_compiles_and_benchmarks_a_unit_without_importing_torch(zo
 def test_what_inductor_says_of_the_host_is_asked_again_for_another_torch_or_a_damaged_record(monkeypatch, tmp_path):
     from workers.backends import inductor_host
 
-    monkeypatch.setattr(inductor_host, "inductor_cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(inductor_host, "shared_cache_dir", lambda: str(tmp_path))
     asked = []
     monkeypatch.setattr(inductor_host, "_ask_inductor", lambda: asked.append(1) or {"vec_isas": ["avx2"], "can_pin": True})
 

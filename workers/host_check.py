@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from workers.backends import resolve
 from workers.backends.inductor_host import cpu_identity, kept_on_host
-from workers.sandbox.env import inductor_cache_dir
+from workers.sandbox.env import shared_cache_dir
 from workers.unit import Target
 
 _checker = ThreadPoolExecutor(1, thread_name_prefix="farm-host-check", initializer=os.nice, initargs=(10,))  # Linux: this thread
@@ -51,6 +51,6 @@ def _answer(target: Target) -> str | None:
         return backend.host_problem(target)
     asked = {"target": target.label, "host": cpu_identity(), "toolchain": backend.toolchain(target),
              "torch": importlib.metadata.version("torch"), "python": sys.executable}
-    answer = kept_on_host(inductor_cache_dir(), "", asked, lambda: {"problem": backend.host_problem(target)},
+    answer = kept_on_host(shared_cache_dir(), "", asked, lambda: {"problem": backend.host_problem(target)},
                           keep=lambda record: record.get("problem") is None)  # a problem is asked again
     return answer["problem"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ from storage.tuning import get_measurements
 from workers.autotune.share import fingerprint_of
 from workers.backends import LoweringError, resolve
 from workers.keys import identity_variant, key_components, key_of
-from workers.sandbox import tempdirs
 from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
 
@@ -117,9 +115,9 @@ def lookup_unit(unit: Unit, store: Store, sandbox: Sandbox) -> UnitResult | None
     starting any worker."""
     if unit.program is None:
         return None
-    with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("lookup")) as tmp:
+    with sandbox.workdir("lookup") as tmp:
         try:
-            found = find(unit, store, identify_in(sandbox, unit, store, Path(tmp)))
+            found = find(unit, store, identify_in(sandbox, unit, store, tmp))
         except (UnitFailed, SandboxFailed, LoweringError, StoreError, UntrustedDocument, OSError):
             return None  # the compile path meets the same error and reports it with the unit's log
     if found.manifest is None or needs_check(unit, found):

@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import socket
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ from workers import host_check
 from workers.autotune.share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
-from workers.sandbox import tempdirs
 from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.trace import TRACE_DIR, packed_trace
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
@@ -89,8 +87,10 @@ class UnitContext:
                 reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline,
                                           device=self.backend.device, unit=self.unit, **kwargs)
         except SandboxFailed as e:
+            self.deadline += self.sandbox.start_waited_s
             self.log.output(e.output, "the sandbox")
             raise UnitFailed(str(e), e.retryable) from None
+        self.deadline += self.sandbox.start_waited_s  # the child's start (torch's import) is not the unit's time
         self.log.output(reply.pop("output", ""), "the sandbox")
         return reply
 
@@ -151,8 +151,7 @@ Outcome = Hit | Published
 Body = Callable[[UnitContext], Outcome]
 
 
-def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: Path | None = None,
-             body: Body | None = None) -> UnitResult:
+def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, body: Body | None = None) -> UnitResult:
     """With no sandbox, one is started for this unit alone (torch's import in the child costs seconds).
     `body` replaces the stages (a gang's rank verifies in lockstep, workers/gang/rank.py)."""
     log = UnitLog(f"unit {unit.unit_id} from {unit.source}")
@@ -161,8 +160,8 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, workdir: 
     start = time.perf_counter()
     moved = store.transfer.copy()
     with contextlib.ExitStack() as held:
-        tmp = Path(held.enter_context(tempfile.TemporaryDirectory(prefix=tempdirs.prefix("unit"), dir=workdir)))
         sandbox = sandbox or held.enter_context(Sandbox())
+        tmp = held.enter_context(sandbox.workdir("unit"))
         ctx = UnitContext(unit, store, sandbox, tmp, log, phases, time.monotonic() + unit.limits.timeout_s)
         try:
             _fill(result, (body or compile_unit)(ctx))
@@ -437,6 +436,8 @@ def _manifest(ctx: UnitContext, ready: Compiled, blobs: dict[str, BlobRef | None
         "agreed_shapes": {"dims": [list(d) for d in unit.agreed_dims], "sizes": dict(unit.agreed_sizes)} if unit.agreed else None,
         "metrics": dict(metrics),
         "device": ready.checked.device,  # where the metrics were measured
+        # what the lowering's sandbox child ran under (workers/sandbox/jail.py)
+        "isolation": ctx.sandbox.isolation.to_dict() if ctx.sandbox.isolation else None,
         "timings": dict(timings),
         "compile_s": sum(timings.get(p, 0.0) for p in COMPILE_PHASES),
         "worker": socket.gethostname(),

@@ -26,10 +26,11 @@ from typing import Any, Callable
 from filelock import FileLock
 
 from workers.backends import cxx
-from workers.sandbox.env import inductor_cache_dir
+from workers.sandbox.env import shared_cache_dir
+from workers.sandbox.jail import make_writable
 from workers.torch_files import standalone
 
-RECORDS = "farm-host-checks"  # in Inductor's cache dir
+RECORDS = "farm-host-checks"  # in the cache dir the worker and its children share
 
 
 @functools.cache
@@ -59,12 +60,12 @@ def _asked() -> dict[str, Any]:
 @functools.cache
 def inductor_host() -> dict[str, Any]:
     """{"vec_isas": [...], "can_pin": bool, ...} for this host, from the record or from Inductor."""
-    return kept_on_host(inductor_cache_dir(), "inductor-host-", _asked(), _ask_inductor, _valid)
+    return kept_on_host(shared_cache_dir(), "inductor-host-", _asked(), _ask_inductor, _valid)
 
 
 def inductor_host_known() -> dict[str, Any] | None:
     """The record, if this host has one; None instead of asking Inductor (which probes every ISA)."""
-    return kept_on_host(inductor_cache_dir(), "inductor-host-", _asked(), None, _valid)
+    return kept_on_host(shared_cache_dir(), "inductor-host-", _asked(), None, _valid)
 
 
 def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Callable[[], dict[str, Any]] | None,
@@ -77,8 +78,12 @@ def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Call
     asked = json.loads(json.dumps(asked, default=str))  # as it reads back
     digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:32]
     path = Path(cache_dir) / RECORDS / f"{kind}{digest}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{path}.lock", timeout=600):
+    lock = path.with_name(f"{path.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    for made in (lock.parent, lock):
+        make_writable(made)  # a jailed child (another uid) asks and writes here too
+    with FileLock(lock, timeout=600):
         try:
             record = json.loads(path.read_text())
             if isinstance(record, dict) and all(record.get(k) == v for k, v in asked.items()) and keep(record):

@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -77,6 +78,24 @@ def _log_to_stderr() -> None:
     warnings.simplefilter("always")
 
 
+def _wipe_private_tmp() -> None:
+    """A jailed child's /tmp is its own tmpfs (FARM_JAIL_TMP): what one unit left there goes
+    before the next unit. The dirs bound into it (its sandbox's, its caches) are mount points
+    and stay."""
+    tmp = os.environ.get("FARM_JAIL_TMP")
+    if not tmp:
+        return
+    with open("/proc/self/mountinfo") as f:
+        mounts = {line.split()[4] for line in f}
+    for entry in os.scandir(tmp):
+        if any(m == entry.path or m.startswith(entry.path + "/") for m in mounts):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+
+
 def _die_with_parent() -> None:
     """A worker killed by Ray (a gang stopped, a stuck unit) must not leave its child running,
     blocked in a collective or a hung artifact: the kernel kills us when the worker goes."""
@@ -84,8 +103,8 @@ def _die_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the worker died before we asked
-        os._exit(1)
+    if os.getppid() == 1 and not os.environ.get("FARM_JAIL_TMP"):  # the worker died before we asked
+        os._exit(1)  # (in a jail, pid 1 is the namespace's init, our parent, which bubblewrap ties to the worker)
 
 
 def main() -> None:
@@ -109,11 +128,15 @@ def main() -> None:
     _log_to_stderr()
     steps = Steps()
     _send(replies, {"ready": True, "warm_up_s": warmed_s})
+    unit_dir = None
     while (header := _read(requests, HEADER_BYTES)) is not None:
         body = _read(requests, int.from_bytes(header, "big"))
         if body is None:
             return
         request = pickle.loads(body)  # from the worker that started us
+        if request["cwd"] != unit_dir:  # another unit
+            _wipe_private_tmp()
+            unit_dir = request["cwd"]
         _redirect_output(request["log"])
         os.chdir(request["cwd"])
         _cpu_budget(request["cpu_s"])

@@ -28,6 +28,7 @@ def child_env(home: Path) -> dict[str, str]:
     # host stays warm; HOME is empty so no ~/.aws, ~/.ray or other config is in reach.
     if "TORCHINDUCTOR_CACHE_DIR" not in env:
         env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+    env["FARM_SHARED_CACHE"] = shared_cache_dir()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
     return env
 
@@ -51,3 +52,47 @@ def inductor_cache_dir() -> str:
     chosen = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(chosen)
     os.makedirs(chosen, exist_ok=True)
     return chosen
+
+
+def shared_cache_dir() -> str:
+    """A dir of Inductor's cache that the worker and its sandbox children can all write, whether
+    the children are jailed as another uid or not: what they learn of the host is kept there
+    (workers/backends/inductor_host.py), so a worker finds what its child found."""
+    given = os.environ.get("FARM_SHARED_CACHE")  # a child: where its worker said
+    if given:
+        return given
+    from workers.sandbox import jail
+
+    path = Path(inductor_cache_dir())
+    if os.getuid() == 0:  # its children may be jailed as another uid: the dir of theirs
+        path = path / f"jail-{jail.NOBODY}"
+        path.mkdir(parents=True, exist_ok=True)
+        jail.make_writable(path)
+    return str(path)
+
+
+def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Path]]]:
+    """`env` for a jailed child, and what it may write besides its sandbox's dir, as (host dir,
+    path inside): its own Inductor (and Triton) cache. A worker running as root jails its
+    children as another uid, which could not write in root's cache; they get a dir of that
+    uid's inside it, so a bench's or an operator's fresh TORCHINDUCTOR_CACHE_DIR still means a
+    fresh cache."""
+    from workers.sandbox import jail
+
+    env, binds = dict(env), []
+    other_uid = jail.child_uid() != os.getuid()
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        if name not in env:
+            continue
+        path = Path(env[name]) / f"jail-{jail.child_uid()}" if other_uid else Path(env[name])
+        path.mkdir(parents=True, exist_ok=True)
+        jail.make_writable(path)
+        env[name] = str(path)
+        binds.append((path, path))
+    # Inductor builds its precompiled header under the default cache dir, <tmp>/torchinductor_<user>,
+    # whatever TORCHINDUCTOR_CACHE_DIR says. In the jail's own /tmp that is bound to the jail's
+    # cache too: a fresh child finds it built, and clearing /tmp between units leaves it.
+    user = "nobody" if other_uid else getpass.getuser()
+    env["USER"] = env["LOGNAME"] = user
+    binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), Path("/tmp") / f"torchinductor_{user}"))
+    return env, binds

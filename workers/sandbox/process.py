@@ -21,6 +21,7 @@ request that we read back even after a crash.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -34,10 +35,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from workers.sandbox import tempdirs
-from workers.sandbox.env import child_env
+from workers.sandbox import jail, tempdirs
+from workers.sandbox.env import child_env, jailed_env
 from workers.unit import UnitLimits
 
 MAX_REPLY = 64 << 20
@@ -71,18 +72,24 @@ class SandboxCost:
 
 
 class Sandbox:
-    """A warm child process that runs steps (workers/sandbox/steps.py) for one unit at a time."""
+    """A warm child process that runs steps (workers/sandbox/steps.py) for one unit at a time,
+    jailed (workers/sandbox/jail.py) unless FARM_SANDBOX says otherwise. `network=True` is for a
+    gang's children, whose collectives need the host's network."""
 
-    def __init__(self) -> None:
+    def __init__(self, network: bool = False) -> None:
+        self.network = network
+        self.isolation: jail.Isolation | None = None  # decided when the first child starts
         self._proc: subprocess.Popen | None = None
         self._replies: int | None = None
         self._limits: tuple[float, float, str] | None = None  # memory, file size, device of the running child
+        self._last: tuple[UnitLimits, str] | None = None  # the limits and device it was started with
         self._env: dict[str, str] = {}  # the environment it inherited
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
         self._base: Path | None = None  # made when a child first starts: a plain hit never needs one
         self.starts = 0  # children started so far: one, unless units failed
+        self.start_waited_s = 0.0  # how long the last call waited for its child to start
         self.cost = SandboxCost()
 
     def __enter__(self) -> "Sandbox":
@@ -93,7 +100,26 @@ class Sandbox:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc and self._proc.poll() is None else None
+        """The child's pid on the host (in a jail: the Python process, not bubblewrap)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        return jail.jailed_pid(self._proc.pid) if self.isolation and self.isolation.mode == "jail" else self._proc.pid
+
+    def root(self) -> Path:
+        """This sandbox's own dir: the children's HOMEs and the units' work dirs. A jailed child
+        sees it (and its Inductor cache) and nothing else of the host's files it may write."""
+        if self._base is None or not self._base.is_dir():  # made once; again if something swept it meanwhile
+            self._base = Path(tempfile.mkdtemp(prefix=tempdirs.prefix("sandbox")))
+            os.chmod(self._base, 0o711)  # a jailed child's uid passes through, and lists nothing
+        return self._base
+
+    @contextlib.contextmanager
+    def workdir(self, kind: str = "unit") -> Iterator[Path]:
+        """A temp dir for one unit's files, the only place its steps read inputs from and write
+        to; removed afterwards."""
+        with tempfile.TemporaryDirectory(prefix=f"{kind}-", dir=self.root()) as tmp:
+            jail.make_writable(Path(tmp))
+            yield Path(tmp)
 
     def call(self, step: str, cwd: Path, limits: UnitLimits, deadline: float, device: str = "cpu",
              **kwargs: Any) -> dict[str, Any]:
@@ -103,9 +129,15 @@ class Sandbox:
             self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
         if self._proc is None or self._proc.poll() is not None:
             self.prestart(limits, device)
+        if self.isolation.mode == "jail":
+            if not cwd.resolve().is_relative_to(self.root().resolve()):
+                raise ValueError(f"{step}: {cwd} is not one of this sandbox's work dirs, which its jailed child cannot "
+                                 "see; make it with Sandbox.workdir()")
+            jail.hand_over(cwd)
+        self.start_waited_s = 0.0
         if self._spawned is not None:
-            waited = self._wait_ready()
-            deadline += waited  # the child's start (torch's import) is not the unit's time
+            self.start_waited_s = self._wait_ready()
+            deadline += self.start_waited_s  # the child's start (torch's import) is not the unit's time
         log = cwd / f".sandbox-{step}.log"
         request = pickle.dumps({"step": step, "cwd": str(cwd), "log": str(log),
                                 "cpu_s": limits.cpu_s, "kwargs": kwargs})
@@ -138,23 +170,27 @@ class Sandbox:
             return
         if device == "cuda" and self._gpu_suspect:
             self._check_gpu()
+        self.isolation = self.isolation or jail.isolation(self.network)
         self._spawned = time.monotonic()
-        if self._base is None or not self._base.is_dir():  # made once; again if something swept it meanwhile
-            self._base = Path(tempfile.mkdtemp(prefix=tempdirs.prefix("sandbox")))
-        home = self._base / f"home-{self.starts}"
+        home = self.root() / f"home-{self.starts}"
         home.mkdir()
+        jail.make_writable(home)
         read, write = os.pipe()
-        startup_log = self._base / f"startup-{self.starts}.log"
+        startup_log = self.root() / f"startup-{self.starts}.log"
         startup = open(startup_log, "wb")
-        self._limits = (limits.memory_gb, limits.file_gb, device)
+        self._limits, self._last = (limits.memory_gb, limits.file_gb, device), (limits, device)
         env = child_env(home)
         self._env = {k: v for k, v in env.items() if k != "HOME"}
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.sandbox.child", str(write), json.dumps(asdict(limits)), device],
-            stdin=subprocess.PIPE, stdout=startup, stderr=startup, cwd=home,
-            env=env, pass_fds=(write,), start_new_session=True, close_fds=True)
+        argv = [sys.executable, "-m", "workers.sandbox.child", str(write), json.dumps(asdict(limits)), device]
+        how = dict(stdin=subprocess.PIPE, stdout=startup, stderr=startup, pass_fds=(write,), start_new_session=True)
+        if self.isolation.mode == "jail":
+            env, binds = jailed_env(env)
+            self._proc = jail.spawn(argv, writable=[self.root(), *binds], home=home, cwd=home, device=device,
+                                    network=self.network, tmp_bytes=int(limits.file_gb * (1 << 30)), env=env, **how)
+        else:
+            self._proc = subprocess.Popen(argv, cwd=home, env=env, close_fds=True, **how)
         os.close(write)
         startup.close()
         self._replies = read
@@ -223,6 +259,8 @@ class Sandbox:
             code = self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             return "the sandbox stopped answering"
+        if code > 128 and self.isolation and self.isolation.mode == "jail":
+            code = 128 - code  # bubblewrap exits with 128 + the signal that ended its child
         if code >= 0:
             return f"the sandbox exited with status {code}"
         sig = signal.Signals(-code)
@@ -274,6 +312,12 @@ class Sandbox:
         goes, which changes nothing the child sees."""
         if self._proc is not None and self._env != {k: v for k, v in child_env(Path()).items() if k != "HOME"}:
             self._kill()
+
+    def renew(self) -> None:
+        """After a job: its child never serves another job. A fresh one starts now, with the same
+        limits, so the next job finds it warm."""
+        if self._proc is not None and self._last is not None:
+            self.retire(*self._last)
 
     def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
         """Replace the child with a fresh one (started now, warm by the next call)."""
