@@ -90,7 +90,8 @@ def canaries(tmp_path):
 
 def test_a_jailed_child_reads_no_credentials_and_writes_only_its_unit_dir(canaries, tmp_path):
     project = Path(__file__).resolve().parents[1]
-    tries = [*[("read", str(p)) for p in canaries], ("list", str(canaries[0].parent)), ("read", str(project / ".git" / "config")),
+    tries = [*[("read", str(p)) for p in canaries], ("list", str(canaries[0].parent)),
+             ("read", str(project / ".git" / "config")),
              ("write", str(tmp_path / "outside")), ("write", str(project / "workers" / "planted.py")),
              ("write", str(Path.home() / "planted")), ("write", "/usr/lib/planted"),
              ("write", str(tmp_path / "unit" / "inside")), ("write", "/tmp/private")]
@@ -199,7 +200,7 @@ def test_farm_resources_says_how_children_are_isolated(monkeypatch):
     assert got.exit_code == 0, got.output
     assert "jailed by bubblewrap" in got.stderr and json.loads(got.stdout)
     monkeypatch.setenv("FARM_SANDBOX", "process")
-    assert "not jailed (FARM_SANDBOX=process)" in CliRunner().invoke(app, ["resources"]).stderr
+    assert "not jailed: a plain child process (FARM_SANDBOX=process)" in CliRunner().invoke(app, ["resources"]).stderr
 
 
 def test_a_warm_child_serves_one_job_and_its_tmp_is_wiped_between_units(zoo_dir, tmp_path):

@@ -38,6 +38,7 @@ from workers import host_check
 from workers.autotune.share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
+from workers.sandbox import jail
 from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.trace import TRACE_DIR, packed_trace
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
@@ -399,6 +400,8 @@ def take_hit(ctx: UnitContext, manifest: dict[str, Any], built_with: str, verifi
 def publish(ctx: UnitContext, ready: Compiled) -> Published:
     """Blobs first, the manifest last: nothing points at what is not there yet. Called with the lease held."""
     store, log = ctx.store, ctx.log
+    if ctx.sandbox.isolation is not None:
+        log.note(f"sandbox: {jail.describe(ctx.sandbox.isolation)}")
     with ctx.phase("upload"):
         artifact = store.put_file(ready.lowered.artifact)
         log.note(f"artifact {artifact.digest} ({artifact.size} bytes); publishing")

@@ -30,12 +30,11 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, Tuple, Union
 
 log = logging.getLogger(__name__)
 
 PROJECT = Path(__file__).resolve().parents[2]
-PACKAGES = ("farm", "workers", "scheduler", "storage")  # what a child imports of the project (not .git, keys, stores)
 NOBODY = 65534
 # /etc is not bound whole: only what the loader, the compilers and Python's user lookups read.
 ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
@@ -50,6 +49,7 @@ DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2",
           "open_tree", "io_uring_setup", "io_uring_enter", "io_uring_register", "lookup_dcookie")
 CLONE_NEWUSER = 0x10000000
 MODES = ("jail", "process")
+Writable = Union[Path, Tuple[Path, Path]]  # a dir bound at its own path, or (host dir, path inside)
 
 
 class JailUnavailable(RuntimeError):
@@ -71,9 +71,9 @@ class Isolation:
 
 def describe(isolation: Isolation) -> str:
     if isolation.mode == "process":
-        return f"plain child processes, not jailed ({isolation.why})"
-    net = "no network" if isolation.network == "none" else "the host's network (a gang's collectives)"
-    return f"jailed by bubblewrap: uid {isolation.uid}, {net}, seccomp {'on' if isolation.seccomp else 'off'}"
+        return f"not jailed: a plain child process ({isolation.why})"
+    net = "no network" if isolation.network == "none" else "the host's network, for a gang's collectives"
+    return f"jailed by bubblewrap (uid {isolation.uid}, {net}, seccomp {'on' if isolation.seccomp else 'off'})"
 
 
 def asked() -> str | None:
@@ -193,7 +193,11 @@ def _read_only() -> list[str]:
             args += ["--ro-bind", str(p), str(p)]
     args += [a for name in ETC if (Path("/etc") / name).exists() for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
     trees = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), Path(sys.executable).resolve().parent}
-    trees |= {PROJECT / p for p in PACKAGES}
+    # of the checkout, its Python packages only (not .git, keys or local stores); a job's `modules`
+    # may live on PYTHONPATH too
+    trees |= {p for p in PROJECT.iterdir() if (p / "__init__.py").is_file()}
+    trees |= {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).is_dir() and Path(p).resolve() != PROJECT}
     for tree in sorted(trees, key=lambda p: len(p.parts)):
         if not any(tree.is_relative_to(t) for t in trees if t != tree) and not tree.is_relative_to("/usr"):
             args += [*_dirs(tree), "--ro-bind", str(tree), str(tree)]
@@ -208,17 +212,18 @@ def _devices(device: str) -> list[str]:
         ["--ro-bind", "/sys", "/sys"]
 
 
-def command(argv: Sequence[str], *, writable: Sequence[Path | tuple[Path, Path]], home: Path, device: str = "cpu", network: bool = False,
-            tmp_bytes: int = 1 << 30, seccomp_fd: int | None = None) -> list[str]:
+def command(argv: Sequence[str], *, writable: Sequence[Writable], home: Path, device: str = "cpu",
+            network: bool = False, tmp_bytes: int = 1 << 30, seccomp_fd: int | None = None) -> list[str]:
     """The bubblewrap command line that runs argv jailed (see the module's docstring)."""
-    args = ["bwrap", *_read_only(), "--dev", "/dev", *_devices(device), "--proc", "/proc",
-            "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    # /tmp first: the project or its venv may live under it (a clone in /tmp), bound in after
+    args = ["bwrap", "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp", *_read_only(), "--dev", "/dev",
+            *_devices(device), "--proc", "/proc"]
     for path in writable:
         source, inside = path if isinstance(path, tuple) else (path, path)
         args += [*_dirs(inside), "--bind", str(source), str(inside)]
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
-             "--new-session", "--setenv", "HOME", str(home), "--setenv", "TMPDIR", "/tmp", "--setenv", "FARM_JAIL_TMP", "/tmp",
-             "--chdir", str(home)]
+             "--new-session", "--setenv", "HOME", str(home), "--setenv", "TMPDIR", "/tmp",
+             "--setenv", "FARM_JAIL_TMP", "/tmp", "--chdir", str(home)]
     if not network:
         args.append("--unshare-net")
     if seccomp_fd is not None:
@@ -231,7 +236,7 @@ def command(argv: Sequence[str], *, writable: Sequence[Path | tuple[Path, Path]]
     return [*args, "--", *argv]
 
 
-def spawn(argv: Sequence[str], *, writable: Sequence[Path | tuple[Path, Path]], home: Path, cwd: Path, device: str = "cpu",
+def spawn(argv: Sequence[str], *, writable: Sequence[Writable], home: Path, cwd: Path, device: str = "cpu",
           network: bool = False, tmp_bytes: int = 1 << 30, env: dict[str, str] | None = None,
           pass_fds: Sequence[int] = (), **popen: Any) -> subprocess.Popen:
     """Start argv jailed: the one way the farm starts a jailed process (the sandbox's children,
