@@ -50,14 +50,15 @@ class NoEvents(Events):
 Runner = Callable[[list[Unit], Store, Events], Iterable[tuple[Unit, UnitResult]]]
 
 
-_KEPT = Sandbox()  # warm between this process's in-process jobs: a notebook's next job skips torch's import
+_KEPT = Sandbox()  # started ahead for this process's next in-process job (a notebook's skips torch's import)
 _KEPT_LOCK = threading.Lock()
 atexit.register(_KEPT.close)
 
 
 def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:
     """One warm child for the whole job: the process's kept one, or its own while another job
-    (another thread) has that. The child restarts when the job's limits or environment differ."""
+    (another thread) has that. The child restarts when the job's limits or environment differ,
+    and after the job: no child serves two jobs."""
     kept = _KEPT_LOCK.acquire(blocking=False)
     if kept:
         _KEPT.restart_if_environment_changed()

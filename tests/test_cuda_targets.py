@@ -4,6 +4,7 @@ offers their architecture, and CUDA sandboxes' limits. The GPU itself: tests/tes
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -129,10 +130,10 @@ def test_a_cuda_sandbox_limits_its_heap_not_its_address_space(tmp_path, zoo_dir)
     limits = UnitLimits(timeout_s=30, memory_gb=6, file_gb=1)
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cuda", "sm_90"), program=None, limits=limits)
     rows = {}
-    with Sandbox() as sandbox:
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
         for device in ("cuda", "cpu"):
-            sandbox.call("identify", tmp_path, limits, time.monotonic() + 120, device=device, unit=unit,
-                         program=str(zoo_dir / "mlp.pt2"))
+            sandbox.call("identify", workdir, limits, time.monotonic() + 120, device=device, unit=unit,
+                         program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
             text = Path(f"/proc/{sandbox.pid}/limits").read_text()
             environ = Path(f"/proc/{sandbox.pid}/environ").read_bytes().decode().split("\0")
             rows[device] = ({line[:26].strip(): line[26:].split()[0] for line in text.splitlines()[1:]}, environ)

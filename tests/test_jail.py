@@ -144,8 +144,8 @@ def test_a_lowering_runs_jailed_and_its_manifest_says_so(zoo_dir, tmp_path):
     def watch() -> None:  # what an operator would look at, from the host
         while not done.is_set():
             pid = sandbox.pid
-            try:
-                if pid is not None:
+            try:  # once setpriv has made it the child (before, it is bubblewrap's, dropping to the child's uid)
+                if pid is not None and b"workers.sandbox.child" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     status = Path(f"/proc/{pid}/status").read_text()
                     uid = int(status.split("\nUid:")[1].split()[0])
                     ns = {n: os.readlink(f"/proc/{pid}/ns/{n}") for n in ("net", "mnt", "pid")}

@@ -39,6 +39,7 @@ from workers.autotune.share import SharedAutotune, autotunes, entries_from, fing
 from workers.backends import Backend, LoweringError, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import jail
+from workers.sandbox.env import as_childrens_cache
 from workers.sandbox.process import Sandbox, SandboxFailed
 from workers.trace import TRACE_DIR, packed_trace
 from workers.unit import COMPILE_PHASES, Unit, UnitResult
@@ -260,7 +261,8 @@ def lower_unit(ctx: UnitContext) -> Lowered:
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
         if shared:
-            shared.seed()
+            with as_childrens_cache(ctx.sandbox.isolation is not None and ctx.sandbox.isolation.mode == "jail"):
+                shared.seed()
             log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}"
                      + (f"; {shared.refused} unsigned or wrongly signed shards ignored" if shared.refused else ""))
         lowered = ctx.step("lower", workdir=str(ctx.tmp))

@@ -4,12 +4,14 @@ worker's is. Its own module because the GPU check (workers/backends/cuda.py) sta
 too, and the sandbox asks that check about its GPU."""
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -69,6 +71,30 @@ def shared_cache_dir() -> str:
         path.mkdir(parents=True, exist_ok=True)
         jail.make_writable(path)
     return str(path)
+
+
+@contextlib.contextmanager
+def as_childrens_cache(jailed: bool) -> Iterator[None]:
+    """Inductor's cache dir, in this process, set to the one the sandbox's children use, for what
+    the worker writes there for them (the farm's autotune timings, in Inductor's local timing
+    file); what it wrote, a jailed child of another uid may rewrite."""
+    path = jailed_env({"TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()})[0]["TORCHINDUCTOR_CACHE_DIR"] if jailed \
+        else inductor_cache_dir()
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        if jailed:
+            from workers.sandbox import jail
+
+            timings = Path(path) / "cache"  # Inductor's local timing files (CacheBase.get_local_cache_path)
+            for made in [timings, *timings.rglob("*")] if timings.is_dir() else []:
+                jail.make_writable(made)
 
 
 def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Path]]]:

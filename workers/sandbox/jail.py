@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence, Tuple, Union
@@ -252,16 +253,21 @@ def spawn(argv: Sequence[str], *, writable: Sequence[Writable], home: Path, cwd:
         os.close(seccomp)
 
 
-def jailed_pid(bwrap_pid: int) -> int | None:
+def jailed_pid(bwrap_pid: int, wait_s: float = 2.0) -> int | None:
     """The host pid of the jailed command: bubblewrap's child is the new PID namespace's init,
-    whose child is the command (setpriv execs it in place)."""
-    pid = bwrap_pid
-    for _ in range(2):
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            return None
-        if not children:
-            return None
-        pid = int(children[0])
-    return pid
+    whose child is the command (setpriv execs it in place). Waits the moment bubblewrap takes to
+    get there; None if bubblewrap is gone."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pid: int | None = bwrap_pid
+        for _ in range(2):
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                return None
+            pid = int(children[0]) if children else None
+            if pid is None:
+                break
+        if pid is not None or time.monotonic() > deadline:
+            return pid
+        time.sleep(0.01)

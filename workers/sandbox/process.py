@@ -81,13 +81,12 @@ class Sandbox:
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
         self._proc: subprocess.Popen | None = None
         self._replies: int | None = None
-        self._limits: tuple[float, float, str] | None = None  # memory, file size, device of the running child
-        self._last: tuple[UnitLimits, str] | None = None  # the limits and device it was started with
+        self._started_for: tuple[UnitLimits, str] | None = None  # the limits and device of the running child
         self._env: dict[str, str] = {}  # the environment it inherited
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
-        self._base: Path | None = None  # made when a child first starts: a plain hit never needs one
+        self._base: Path | None = None  # made when first needed: a plain hit never needs one
         self.starts = 0  # children started so far: one, unless units failed
         self.start_waited_s = 0.0  # how long the last call waited for its child to start
         self.cost = SandboxCost()
@@ -125,7 +124,7 @@ class Sandbox:
              **kwargs: Any) -> dict[str, Any]:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
-        if self._proc is not None and self._limits != (limits.memory_gb, limits.file_gb, device):
+        if self._proc is not None and self._started_for and not _same_child(self._started_for, (limits, device)):
             self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
         if self._proc is None or self._proc.poll() is not None:
             self.prestart(limits, device)
@@ -178,7 +177,7 @@ class Sandbox:
         read, write = os.pipe()
         startup_log = self.root() / f"startup-{self.starts}.log"
         startup = open(startup_log, "wb")
-        self._limits, self._last = (limits.memory_gb, limits.file_gb, device), (limits, device)
+        self._started_for = (limits, device)
         env = child_env(home)
         self._env = {k: v for k, v in env.items() if k != "HOME"}
         if device != "cuda":
@@ -316,8 +315,8 @@ class Sandbox:
     def renew(self) -> None:
         """After a job: its child never serves another job. A fresh one starts now, with the same
         limits, so the next job finds it warm."""
-        if self._proc is not None and self._last is not None:
-            self.retire(*self._last)
+        if self._proc is not None and self._started_for is not None:
+            self.retire(*self._started_for)
 
     def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
         """Replace the child with a fresh one (started now, warm by the next call)."""
@@ -328,6 +327,11 @@ class Sandbox:
         self._kill()
         if self._base is not None:
             shutil.rmtree(self._base, ignore_errors=True)
+
+
+def _same_child(a: tuple[UnitLimits, str], b: tuple[UnitLimits, str]) -> bool:
+    """Whether a child started for a's limits and device serves b (the limits set as it starts)."""
+    return (a[0].memory_gb, a[0].file_gb, a[1]) == (b[0].memory_gb, b[0].file_gb, b[1])
 
 
 def _read_text(path: Path, limit: int = 1 << 20) -> str:
