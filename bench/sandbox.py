@@ -17,6 +17,7 @@ process for a child's start (goal: +0.2 s or less) and a round trip (goal: +1 ms
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,8 +38,14 @@ class InProcess:
         from workers.sandbox.steps import Steps
 
         self.steps, self.cost = Steps(), SandboxCost()
+        self.isolation, self.start_waited_s = None, 0.0
 
-    def call(self, step: str, cwd: Path, limits: Any, deadline: float, **kwargs: Any) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def workdir(self, kind: str = "unit") -> Iterator[Path]:
+        with tempfile.TemporaryDirectory(prefix=f"farm-bench-{kind}-") as tmp:
+            yield Path(tmp)
+
+    def call(self, step: str, cwd: Path, limits: Any, deadline: float, device: str = "cpu", **kwargs: Any) -> dict[str, Any]:
         from workers.sandbox.process import SandboxFailed
         from workers.sandbox.steps import USER_ERRORS
 
