@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
+from unittest import mock
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -80,15 +81,10 @@ def as_childrens_cache(jailed: bool) -> Iterator[None]:
     file); what it wrote, a jailed child of another uid may rewrite."""
     path = jailed_env({"TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()})[0]["TORCHINDUCTOR_CACHE_DIR"] if jailed \
         else inductor_cache_dir()
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     try:
-        yield
+        with mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path):
+            yield
     finally:
-        if before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
         if jailed:
             from workers.sandbox import jail
 
