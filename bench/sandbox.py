@@ -107,12 +107,11 @@ def _jail_pch(root: Path, graph: str) -> None:
     from scheduler.spec import parse_job
     from storage import store_from_uri
     from workers.sandbox import jail
-    from workers.sandbox.env import jailed_env
+    from workers.sandbox.env import childrens
 
     os.environ["FARM_SANDBOX"], os.environ["TORCHINDUCTOR_CACHE_DIR"] = "jail", str(root / "pch-jail")
     execute(parse_job({"graphs": [graph], "targets": ["aoti-cpu"]}), store_from_uri(str(root / "store-pch-jail")))
-    built = Path(jailed_env({"TORCHINDUCTOR_CACHE_DIR": str(root / "pch-jail")})[0]["TORCHINDUCTOR_CACHE_DIR"])
-    dest = Path(jailed_env({"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor-jail")})[0]["TORCHINDUCTOR_CACHE_DIR"])
+    built, dest = childrens(root / "pch-jail"), childrens(root / "inductor-jail")
     shutil.copytree(built / "precompiled_headers", dest / "precompiled_headers")
     for path in [dest / "precompiled_headers", *(dest / "precompiled_headers").rglob("*")]:
         jail.make_writable(path)

@@ -89,10 +89,10 @@ class UnitContext:
                 reply = self.sandbox.call(name, self.tmp, self.unit.limits, self.deadline,
                                           device=self.backend.device, unit=self.unit, **kwargs)
         except SandboxFailed as e:
-            self.deadline += self.sandbox.start_waited_s
             self.log.output(e.output, "the sandbox")
             raise UnitFailed(str(e), e.retryable) from None
-        self.deadline += self.sandbox.start_waited_s  # the child's start (torch's import) is not the unit's time
+        finally:
+            self.deadline += self.sandbox.start_waited_s  # the child's start (torch's import) is not the unit's time
         self.log.output(reply.pop("output", ""), "the sandbox")
         return reply
 
@@ -261,7 +261,7 @@ def lower_unit(ctx: UnitContext) -> Lowered:
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
         if shared:
-            with as_childrens_cache(ctx.sandbox.isolation is not None and ctx.sandbox.isolation.mode == "jail"):
+            with as_childrens_cache(ctx.sandbox.jailed):
                 shared.seed()
             log.note(f"autotuning: {shared.seeded} kernel timings from the farm for device {shared.fingerprint}"
                      + (f"; {shared.refused} unsigned or wrongly signed shards ignored" if shared.refused else ""))

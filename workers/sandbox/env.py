@@ -62,16 +62,21 @@ def shared_cache_dir() -> str:
     the children are jailed as another uid or not: what they learn of the host is kept there
     (workers/backends/inductor_host.py), so a worker finds what its child found."""
     given = os.environ.get("FARM_SHARED_CACHE")  # a child: where its worker said
-    if given:
-        return given
+    return given or str(childrens(Path(inductor_cache_dir())))
+
+
+def childrens(cache: Path) -> Path:
+    """The part of a cache dir that jailed children may write: all of it when they keep this
+    process's uid; when they are jailed as another uid (this process is root), a dir of that
+    uid's inside it, so that a bench's or an operator's fresh cache dir still means a fresh cache."""
     from workers.sandbox import jail
 
-    path = Path(inductor_cache_dir())
-    if os.getuid() == 0:  # its children may be jailed as another uid: the dir of theirs
-        path = path / f"jail-{jail.NOBODY}"
-        path.mkdir(parents=True, exist_ok=True)
-        jail.make_writable(path)
-    return str(path)
+    if jail.child_uid() == os.getuid():
+        return cache
+    path = cache / f"jail-{jail.child_uid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    jail.make_writable(path)
+    return path
 
 
 @contextlib.contextmanager
@@ -79,8 +84,7 @@ def as_childrens_cache(jailed: bool) -> Iterator[None]:
     """Inductor's cache dir, in this process, set to the one the sandbox's children use, for what
     the worker writes there for them (the farm's autotune timings, in Inductor's local timing
     file); what it wrote, a jailed child of another uid may rewrite."""
-    path = jailed_env({"TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()})[0]["TORCHINDUCTOR_CACHE_DIR"] if jailed \
-        else inductor_cache_dir()
+    path = str(childrens(Path(inductor_cache_dir()))) if jailed else inductor_cache_dir()
     try:
         with mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path):
             yield
@@ -95,22 +99,16 @@ def as_childrens_cache(jailed: bool) -> Iterator[None]:
 
 def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Path]]]:
     """`env` for a jailed child, and what it may write besides its sandbox's dir, as (host dir,
-    path inside): its own Inductor (and Triton) cache. A worker running as root jails its
-    children as another uid, which could not write in root's cache; they get a dir of that
-    uid's inside it, so a bench's or an operator's fresh TORCHINDUCTOR_CACHE_DIR still means a
-    fresh cache."""
+    path inside): its own part of the Inductor (and Triton) cache (`childrens`)."""
     from workers.sandbox import jail
 
     env, binds = dict(env), []
     other_uid = jail.child_uid() != os.getuid()
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        if name not in env:
-            continue
-        path = Path(env[name]) / f"jail-{jail.child_uid()}" if other_uid else Path(env[name])
-        path.mkdir(parents=True, exist_ok=True)
-        jail.make_writable(path)
-        env[name] = str(path)
-        binds.append((path, path))
+        if name in env:
+            path = childrens(Path(env[name]))
+            env[name] = str(path)
+            binds.append((path, path))
     # Inductor builds its precompiled header under the default cache dir, <tmp>/torchinductor_<user>,
     # whatever TORCHINDUCTOR_CACHE_DIR says. In the jail's own /tmp that is bound to the jail's
     # cache too: a fresh child finds it built, and clearing /tmp between units leaves it.

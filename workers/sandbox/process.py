@@ -102,7 +102,12 @@ class Sandbox:
         """The child's pid on the host (in a jail: the Python process, not bubblewrap)."""
         if self._proc is None or self._proc.poll() is not None:
             return None
-        return jail.jailed_pid(self._proc.pid) if self.isolation and self.isolation.mode == "jail" else self._proc.pid
+        return jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
+
+    @property
+    def jailed(self) -> bool:
+        """Whether its children run in the jail (known once the first has started)."""
+        return self.isolation is not None and self.isolation.mode == "jail"
 
     def root(self) -> Path:
         """This sandbox's own dir: the children's HOMEs and the units' work dirs. A jailed child
@@ -124,16 +129,16 @@ class Sandbox:
              **kwargs: Any) -> dict[str, Any]:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
+        self.start_waited_s = 0.0
         if self._proc is not None and self._started_for and not _same_child(self._started_for, (limits, device)):
             self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
         if self._proc is None or self._proc.poll() is not None:
             self.prestart(limits, device)
-        if self.isolation.mode == "jail":
+        if self.jailed:
             if not cwd.resolve().is_relative_to(self.root().resolve()):
                 raise ValueError(f"{step}: {cwd} is not one of this sandbox's work dirs, which its jailed child cannot "
                                  "see; make it with Sandbox.workdir()")
             jail.hand_over(cwd)
-        self.start_waited_s = 0.0
         if self._spawned is not None:
             self.start_waited_s = self._wait_ready()
             deadline += self.start_waited_s  # the child's start (torch's import) is not the unit's time
@@ -184,7 +189,7 @@ class Sandbox:
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
         argv = [sys.executable, "-m", "workers.sandbox.child", str(write), json.dumps(asdict(limits)), device]
         how = dict(stdin=subprocess.PIPE, stdout=startup, stderr=startup, pass_fds=(write,), start_new_session=True)
-        if self.isolation.mode == "jail":
+        if self.jailed:
             env, binds = jailed_env(env)
             self._proc = jail.spawn(argv, writable=[self.root(), *binds], home=home, cwd=home, device=device,
                                     network=self.network, tmp_bytes=int(limits.file_gb * (1 << 30)), env=env, **how)
@@ -258,7 +263,7 @@ class Sandbox:
             code = self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             return "the sandbox stopped answering"
-        if code > 128 and self.isolation and self.isolation.mode == "jail":
+        if code > 128 and self.jailed:
             code = 128 - code  # bubblewrap exits with 128 + the signal that ended its child
         if code >= 0:
             return f"the sandbox exited with status {code}"
