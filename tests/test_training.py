@@ -87,9 +87,12 @@ print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["
 """
 
 
-def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Path, extra_sizes: int = 2) -> dict:
-    """TRAIN_SCRIPT's report, run where Inductor's and Triton's caches are empty (a machine that never compiled it)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Path, extra_sizes: int = 2,
+                           threads: int = 1) -> dict:
+    """TRAIN_SCRIPT's report, run where Inductor's and Triton's caches are empty (a machine that never compiled it),
+    on `threads` threads (by default another count than the farm's worker: a rank's share of a bigger host)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(program), str(store), target, str(extra_sizes)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,8 +116,10 @@ def test_a_fresh_process_trains_from_the_precompiled_function_without_compiling(
     d, store, results = both
     facts = store.get_manifest(results[PRECOMPILED].key)["artifact"]
     assert facts["shapes"] == "static" and facts["sizes"] == ["example"] and facts["kernels"] >= 2
-    assert facts["saved_for_backward"]["bytes"] > 0
-    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "aot-compile:avx2", tmp_path, extra_sizes=0)
+    assert facts["saved_for_backward"]["bytes"] > 0 and facts["torch_threads"] >= 1
+    # Dynamo's guards hold a precompiled function to the thread count it was compiled under
+    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "aot-compile:avx2", tmp_path, extra_sizes=0,
+                                 threads=facts["torch_threads"])
     assert got["builds"] == [] and got["ok"], got["problems"]
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_miss", 0) == 0
     assert got["names"] == got["eager_names"]
@@ -128,6 +133,13 @@ def test_a_precompiled_function_refuses_a_size_it_was_not_built_for(both, zoo_di
     model(torch.randn(8, 32)).sum().backward()  # the example's size
     with pytest.raises(ValueError, match="static shapes, built for example"):
         model(torch.randn(3, 32))
+    built_on, ours = store.get_manifest(results[PRECOMPILED].key)["artifact"]["torch_threads"], torch.get_num_threads()
+    torch.set_num_threads(built_on + 1)  # a process with another thread count: a clear refusal, not a size mismatch
+    try:
+        with pytest.raises(ValueError, match=rf"get_num_threads\(\) == {built_on}.*set_num_threads\({built_on}\)"):
+            model(torch.randn(8, 32))
+    finally:
+        torch.set_num_threads(ours)
 
 
 def test_a_bundle_without_its_backward_is_refused(zoo_dir, monkeypatch, tmp_path):

@@ -105,7 +105,8 @@ def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(zoo_dir, tmp_pat
     bundle = store.fetch(r.artifact.digest, tmp_path / "bundle.bin")
 
     def serve(bundle_arg: str, cache: str) -> subprocess.Popen:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}  # a machine that never compiled it
+        # a machine that never compiled it, with another core count than the farm's worker
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache), "OMP_NUM_THREADS": "1"}
         return subprocess.Popen([sys.executable, "-c", _SERVE, bundle_arg, str(zoo_dir / "mlp.pt2"),
                                  json.dumps(manifest["artifact"]["serving_config"])],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -73,14 +73,22 @@ def _ordinary(args: Any) -> Any:
 
 
 def serving(module: torch.nn.Module, functions: list[Any], pin: train_bundle.Pin, target: Target,
-            built: list[str]) -> torch.nn.Module:
-    """`module`, each call served by the first precompiled function whose guards admit it."""
+            built: list[str], threads: int | None) -> torch.nn.Module:
+    """`module`, each call served by the first precompiled function whose guards admit it.
+    `threads`: torch's thread count the functions were compiled under (Dynamo guards on it)."""
+    import torch
+
     def call(*args: Any, **kwargs: Any) -> Any:
         with pin.held(), _grad_mode(target):
             args, kwargs = _ordinary((args, kwargs))
             for fn in functions:
                 if fn.guard_check(module, *args, **kwargs):
                     return fn(module, *args, **kwargs)
+        if threads is not None and torch.get_num_threads() != threads:
+            raise ValueError(f"this {target.label} artifact was compiled with torch.get_num_threads() == {threads} and Dynamo's "
+                             f"guards hold a precompiled function to it; this process has {torch.get_num_threads()}: call "
+                             f"torch.set_num_threads({threads}) before the first step, or use inductor-cache, whose "
+                             "kernels take the thread count at run time")
         shapes = [tuple(a.shape) for a in args if hasattr(a, "shape")]
         raise ValueError(f"this {target.label} artifact has static shapes, built for {', '.join(built)}; inputs of "
                          f"shapes {shapes} match none (compile it with autotune.specialize naming this size)")
@@ -122,12 +130,12 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
                 path = workdir / f"fn-{i}.bin"
                 fn.save_compiled_function(str(path))
                 parts[path.name] = path.read_bytes()
-            served = serving(module, functions, pin, target, [s.label for s in sets])
+            served = serving(module, functions, pin, target, [s.label for s in sets], torch.get_num_threads())
             for s in sets:  # run once: the kernels load (and a training step's backward compiles) now
                 (step(served) if target.mode == "train" else served)(*s.args, **s.kwargs)
             shipping, binaries = train_bundle.kernel_facts(loaded, pin)
         facts = {"format": FORMAT, "module_class": class_name, "shapes": "static", "sizes": [s.label for s in sets],
-                 **shipping}
+                 "torch_threads": torch.get_num_threads(), **shipping}
         if target.mode == "train":
             with pin.held(), torch.enable_grad():
                 out = served(*sets[0].args, **sets[0].kwargs)
@@ -150,13 +158,17 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
                 functions = [torch.compiler.load_compiled_function(io.BytesIO(unpacked.parts[n])) for n in names]
         except (RuntimeError, ValueError, EOFError, AttributeError) as e:
             raise LoweringError(f"{artifact}: torch could not load its precompiled functions ({type(e).__name__}: {e})") from e
-        return serving(module, functions, pin, target, [str(s) for s in unpacked.facts.get("sizes") or []])
+        threads = unpacked.facts.get("torch_threads")
+        return serving(module, functions, pin, target, [str(s) for s in unpacked.facts.get("sizes") or []],
+                       threads if isinstance(threads, int) else None)
 
     def describe(self, artifact: Path, target: Target) -> dict[str, Any]:
         facts, count = train_bundle.shipped(artifact)
         return {
             "format": FORMAT, "mode": target.mode, "isa": self.isa_label(target), "serving_config": self.pin(target).configs,
             "shapes": "static", "sizes": facts["sizes"], "kernels": count, "build_command": facts["build_command"],
+            # Dynamo's guards hold the functions to the thread count they were compiled under
+            "torch_threads": facts["torch_threads"],
             **({"saved_for_backward": facts["saved_for_backward"]} if "saved_for_backward" in facts else {}),
             "load": f"farm.client.warm_start(program, store=URI, target='aot-compile', mode='{target.mode}')",
         }

@@ -31,7 +31,12 @@ class Isa:
 
     @property
     def inductor_configs(self) -> dict[str, Any]:
-        return {"cpp.march": self.march, "cpp.simdlen": self.simdlen}
+        # Left alone, Inductor compiles the worker's thread count into every CPU kernel and into
+        # its cache keys (`cpp_runtime_thread_count`): a consumer with another core count, or a
+        # jailed child that sees no /sys, then misses every entry of a bundle, and an AOTInductor
+        # package from a 2-core worker runs on 2 threads of a 64-core host. `dynamic_threads`
+        # makes the kernels ask OpenMP at run time instead.
+        return {"cpp.march": self.march, "cpp.simdlen": self.simdlen, "cpp.dynamic_threads": True}
 
 
 ISAS = {
@@ -135,7 +140,8 @@ class PinnedCpuTarget:
     def device_components(self, target: Target) -> dict[str, Any]:
         """What about the device decides the artifact (a backend's key adds its own)."""
         name, isa = self.isa(target)
-        return {"backend": self.name, "device": "cpu", "isa": name, "march": isa.march, "simdlen": isa.simdlen}
+        return {"backend": self.name, "device": "cpu", "isa": name, "march": isa.march, "simdlen": isa.simdlen,
+                "threads": "at run time"}
 
     def target_components(self, target: Target) -> dict[str, Any]:
         return self.device_components(target)

@@ -207,7 +207,11 @@ def _read_only() -> list[str]:
 
 def _devices(device: str) -> list[str]:
     if device != "cuda":
-        return []
+        # the CPU's topology only: torch's default thread count and the cache sizes that
+        # Inductor's CPU GEMM templates block for are read there; without it, the child's code and
+        # timings would differ from what the host itself runs
+        cpu = "/sys/devices/system/cpu"
+        return ["--ro-bind", cpu, cpu] if os.path.isdir(cpu) else []
     # the driver's nodes only: /dev/nvidia0.., nvidiactl, nvidia-uvm(-tools), nvidia-caps
     return [a for p in sorted(Path("/dev").glob("nvidia*")) for a in ("--dev-bind", str(p), str(p))] + \
         ["--ro-bind", "/sys", "/sys"]
