@@ -13,11 +13,13 @@ from farm import client
 from farm.cli_common import StoreOpt
 from farm.cli_common import fail as _fail
 from farm.cli_common import open_store as _open_store
+from farm.store_cli import register as register_store_commands
 from farm.zoo_cli import zoo_app
 from scheduler.spec import JobSpec, SpecError, TargetSpec, VerifySpec, load_job, parse_job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
 app.add_typer(zoo_app, name="zoo")
+register_store_commands(app)
 
 
 def _json(obj) -> None:

@@ -170,9 +170,13 @@ def fetch(key: str, dest: str | Path, store: str | Store | None = None) -> dict[
 
     s = _store(store)
     full = s.resolve_key(key)
-    manifest = s.get_manifest(full)  # signature checked when FARM_VERIFY_KEY is set
+    manifest, incomplete = s.complete_manifest(full)  # signature checked when FARM_VERIFY_KEY is set
+    if incomplete:
+        raise UnknownKey(f"unit {full} in {s.uri} cannot be fetched: {incomplete}. Run its job again: the farm "
+                         "compiles it again and replaces the manifest")
     if manifest is None:
         raise UnknownKey(f"no manifest for key {full} in {s.uri}; `farm results JOB` lists a job's keys")
+    s.note_use(full, manifest)
     ref = manifest["blobs"]["artifact"]
     path = s.fetch(ref["digest"], Path(dest))
     facts = manifest.get("artifact", {})

@@ -37,6 +37,7 @@ def load_tuned(key: str, store: str, workdir: str | Path) -> Callable[..., Any]:
     manifest = s.get_manifest(key)  # signature checked when FARM_VERIFY_KEY is set
     if manifest is None or "autotune" not in manifest:
         raise ValueError(f"{key} is not an autotuned unit in {s.uri}")
+    s.note_use(key, manifest)
     blobs = manifest["blobs"]
     fallback = load_compiled(s.fetch(blobs["artifact"]["digest"], workdir / "dynamic.pt2"))
     names = _input_names(s.fetch(blobs["program"]["digest"], workdir / "program.pt2"), key)

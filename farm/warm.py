@@ -69,7 +69,11 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
     identity = program_identity(ep, weights_by_value=t.weights == "values")
     components = key_components(identity, backend.target_components(t), t.options_dict, backend.toolchain(t))
     key = key_of(components)
-    manifest = s.get_manifest(key)  # its signature is checked here where the store requires one
+    manifest, incomplete = s.complete_manifest(key)  # its signature is checked here where the store requires one
+    if incomplete:
+        raise WarmStartError(f"the farm's {t.label} artifact for {name} in {s.uri} (key {key[:16]}…) is incomplete: "
+                             f"{incomplete}; compile it again: farm compile {name if name != 'the program' else 'PROGRAM.pt2'} "
+                             f"-t {t.base_label} --store {s.uri}")
     if manifest is None or manifest.get("status") not in (None, "compiled"):
         tools = components["toolchain"]
         raise WarmStartError(
@@ -78,6 +82,7 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
             f"farm compile {name if name != 'the program' else 'PROGRAM.pt2'} -t {t.base_label} --store {s.uri}"
             " (a program, target or toolchain that differs from the compiled one's is another key: "
             "`farm explain KEY` diffs two)")
+    s.note_use(key, manifest)
     ref = manifest["blobs"]["artifact"]
     with tempfile.TemporaryDirectory(prefix="farm-warm-") as tmp:
         artifact = s.fetch(ref["digest"], Path(tmp) / "artifact")  # checked against the manifest's sha256

@@ -146,7 +146,10 @@ class StatusFile:
             self._written = time.monotonic()
 
     def planned(self, units: list[Unit]) -> None:
-        self.doc.update(state="running", total=len(units), queued=len(units))
+        # the programs in flight: a job record refers to them, so the store's collector keeps them
+        # until the units that need them have published (storage/gc.py)
+        programs = sorted({u.program.digest for u in units if u.program is not None})
+        self.doc.update(state="running", total=len(units), queued=len(units), programs=programs)
         self.write(force=True)
         self.inner.planned(units)
 
@@ -184,6 +187,9 @@ class StatusFile:
         else:  # failed before it ever started (could not be placed)
             self.doc["queued"] -= 1
         self.doc[result.status] += 1
+        # what the job's results will name, referred to from now on: the store's collector keeps
+        # a finished unit's blobs while the job runs, before its results table is written
+        self.doc.setdefault("blobs", []).extend(ref.digest for ref in (result.artifact, result.log, result.trace) if ref)
         self.write()
         self.inner.finished(unit, result)
 

@@ -53,8 +53,32 @@ def metrics() -> dict[str, Any]:
             hit_rate=Gauge("farm_hit_rate", "hits / units that got a key, in the job so far", tag_keys=("job",)),
             saved=Counter("farm_compile_seconds_saved", "compile seconds that hits did not spend again", tag_keys=unit_tags),
             spent=Counter("farm_compile_seconds", "seconds spent compiling units that missed", tag_keys=unit_tags),
+            store_bytes=Gauge("farm_store_bytes", "bytes the store holds, by kind, after the last `farm gc`",
+                              tag_keys=("kind", "store")),
+            gc_deleted=Counter("farm_gc_deleted", "objects `farm gc` deleted, by kind", tag_keys=("kind", "store")),
         )
     return _METRICS
+
+
+METRICS_FLUSH_S = 11.0  # Ray's agents export every 10 s: a short-lived driver waits that long for its last numbers
+
+
+def record_store(report: dict[str, Any], store: str, flush_s: float = METRICS_FLUSH_S) -> None:
+    """A collection's numbers (storage/gc.py Report.to_dict()) as Ray metrics, from `farm gc`
+    run as a RayJob (RAY_ADDRESS set) or inside a session that already joined a cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING, log_to_driver=False)
+    m = metrics()
+    kinds = set(report["kept"]) | set(report["deleted"])
+    for kind in kinds:
+        kept = report["kept"].get(kind, {}).get("bytes", 0)
+        m["store_bytes"].set(kept, tags={"kind": kind, "store": store})
+        count = report["deleted"].get(kind, {}).get("count", 0)
+        if count and not report["dry_run"]:
+            m["gc_deleted"].inc(count, tags={"kind": kind, "store": store})
+    time.sleep(flush_s)
 
 
 def device_class(unit: Unit) -> str:

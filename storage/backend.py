@@ -5,6 +5,7 @@ Backends know nothing of the layout (blobs, manifests, jobs); `Store` does. Path
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -16,6 +17,16 @@ class StoreError(RuntimeError):
 class UnsafeStore(StoreError):
     """The store works but cannot be published to safely (e.g. it ignores conditional writes);
     trying again will not help."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as a listing sees it. `mtime` (seconds since the epoch, the server's clock on S3)
+    is when it was last written or touched: the farm's last-use mark (storage/usage.py)."""
+
+    path: str
+    size: int
+    mtime: float
 
 
 class Backend(Protocol):
@@ -41,3 +52,15 @@ class Backend(Protocol):
         """Paths under prefix, in no particular order."""
 
     def delete(self, path: str) -> None: ...
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        """Size and last write (or touch) of one object; None if it does not exist."""
+
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under prefix with its size and mtime (listing pages, not one call per object)."""
+
+    def touch(self, path: str) -> bool:
+        """Make the object's mtime now without changing its bytes; False if it does not exist."""
+
+    def delete_many(self, paths: list[str]) -> None:
+        """Delete objects in as few calls as the backend allows (S3: 1000 keys a call)."""

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from storage.backend import StoreError
+from storage.backend import ObjectInfo, StoreError
 
 
 class LocalBackend:
@@ -84,6 +84,9 @@ class LocalBackend:
             return None
 
     def list(self, prefix: str) -> Iterator[str]:
+        return (info.path for info in self.list_info(prefix))
+
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         start = base if base.is_dir() else base.parent
         if not start.exists():
@@ -92,9 +95,32 @@ class LocalBackend:
             for name in files:
                 if name.startswith("."):
                     continue  # temp files of writes in flight
-                rel = Path(dirpath, name).relative_to(self.root).as_posix()
+                path = Path(dirpath, name)
+                rel = path.relative_to(self.root).as_posix()
                 if rel.startswith(prefix):
-                    yield rel
+                    try:
+                        st = path.stat()
+                    except FileNotFoundError:  # deleted while we walked
+                        continue
+                    yield ObjectInfo(rel, st.st_size, st.st_mtime)
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        try:
+            st = self._path(path).stat()
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(path, st.st_size, st.st_mtime)
+
+    def touch(self, path: str) -> bool:
+        try:
+            os.utime(self._path(path))
+        except FileNotFoundError:
+            return False
+        return True
 
     def delete(self, path: str) -> None:
         self._path(path).unlink(missing_ok=True)
+
+    def delete_many(self, paths: list[str]) -> None:
+        for path in paths:
+            self.delete(path)

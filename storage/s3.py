@@ -20,7 +20,7 @@ import urllib3.exceptions
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from storage.backend import StoreError, UnsafeStore
+from storage.backend import ObjectInfo, StoreError, UnsafeStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ _BUSY = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "T
 ATTEMPTS = 4
 BACKOFF_S = 0.25
 BOTO_ATTEMPTS = 5  # botocore's own, per request
+DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys a call
 
 
 def _code(e: botocore.exceptions.ClientError) -> str:
@@ -143,13 +144,42 @@ class S3Backend:
         return self.size(path) is not None
 
     def list(self, prefix: str) -> Iterator[str]:
+        return (info.path for info in self.list_info(prefix))
+
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
         strip = len(self.prefix) + 1 if self.prefix else 0
 
-        def every_page() -> list[str]:  # listed whole, so an attempt again starts from the first page
+        def every_page() -> list[ObjectInfo]:  # listed whole, so an attempt again starts from the first page
             pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-            return [obj["Key"][strip:] for page in pages for obj in page.get("Contents", [])]
+            return [ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"].timestamp())
+                    for page in pages for obj in page.get("Contents", [])]
 
         yield from self._call("list", prefix, every_page)
 
+    def stat(self, path: str) -> ObjectInfo | None:
+        def head() -> ObjectInfo:
+            got = self._client.head_object(Bucket=self.bucket, Key=self._key(path))
+            return ObjectInfo(path, int(got["ContentLength"]), got["LastModified"].timestamp())
+
+        return self._call("stat", path, head, missing=None)
+
+    def touch(self, path: str) -> bool:
+        """A copy of the object onto itself: S3 has no other way to renew LastModified, which is
+        also what a bucket lifecycle rule expires by. The managed copy does it in parts above 5 GiB."""
+        source = {"Bucket": self.bucket, "Key": self._key(path)}
+        extra = {"MetadataDirective": "REPLACE", "Metadata": {"farm-used": str(int(time.time()))}}
+        return self._call("touch", path, lambda: self._client.copy(source, self.bucket, self._key(path), ExtraArgs=extra,
+                                                                   Config=TRANSFER) or True, missing=False)
+
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self._client.delete_object(Bucket=self.bucket, Key=self._key(path)))
+
+    def delete_many(self, paths: list[str]) -> None:
+        for start in range(0, len(paths), DELETE_BATCH):
+            batch = paths[start:start + DELETE_BATCH]
+            objects = {"Objects": [{"Key": self._key(p)} for p in batch], "Quiet": True}
+            got = self._call("delete", batch[0], lambda: self._client.delete_objects(Bucket=self.bucket, Delete=objects))
+            failed = [e for e in got.get("Errors", []) if e.get("Code") not in _NOT_FOUND]
+            if failed:
+                raise StoreError(f"delete in {self.uri} failed for {len(failed)} of {len(batch)} objects, "
+                                 f"e.g. {failed[0].get('Key')}: {failed[0].get('Code')} {failed[0].get('Message')}")

@@ -4,15 +4,24 @@
     units/<key>.json              manifests, published last and only once (conditional write)
     jobs/<job-id>/…               job spec and results table
     leases/<key>/<generation>     who is compiling a key right now (see leases.py)
+    pins/<name>.json              units kept whatever their age (see pins.py)
 
 Every Store counts the blob bytes it moves (`transfer`), so a unit can report what it cost.
+
+Last use: an object's mtime. A unit's manifest and its blobs are touched when the unit is used
+(a hit, a fetch, a warm start), at most once per refresh age, so a collector (storage/gc.py) or
+a bucket lifecycle rule that expires by age expires by last use. A blob a publisher relies on
+without uploading it (it was there already) is touched too, before the manifest names it: the
+collector re-reads a blob's age just before deleting it, and leaves one that is young.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +30,20 @@ from storage.backend import Backend, StoreError
 from storage.signing import Trust, UntrustedDocument
 
 _CHUNK = 1 << 20
+log = logging.getLogger(__name__)
+DEFAULT_REFRESH_AGE_S = 86400.0  # a day: a hot unit costs its store one touch a day, not one per hit
+
+
+def refresh_age_s() -> float:
+    """How old a unit's last-use mark may get before a use renews it (FARM_REFRESH_AGE_S)."""
+    given = os.environ.get("FARM_REFRESH_AGE_S", "")
+    try:
+        age = float(given) if given else DEFAULT_REFRESH_AGE_S
+    except ValueError:
+        age = -1.0
+    if not age >= 0:
+        raise ValueError(f"FARM_REFRESH_AGE_S={given!r} is not a number of seconds >= 0")
+    return age
 
 
 class CorruptBlob(StoreError):
@@ -88,6 +111,9 @@ class Store:
         self.backend = backend
         self.transfer = Transfer()
         self.trust = trust if trust is not None else Trust.from_env()  # signs and checks documents
+        self.clock = time.time  # the last-use rule's clock (a fake one in tests)
+        self.refresh_age_s = refresh_age_s()
+        self._used: dict[str, float] = {}  # key -> when this process last looked at its last-use mark
 
     @property
     def uri(self) -> str:
@@ -96,7 +122,7 @@ class Store:
     # blobs -------------------------------------------------------------------------
     def put_bytes(self, data: bytes) -> BlobRef:
         ref = BlobRef(hashlib.sha256(data).hexdigest(), len(data))
-        if self.backend.size(blob_path(ref.digest)) != ref.size:
+        if not self._kept(ref):
             self.backend.write(blob_path(ref.digest), data)
             self.transfer.uploaded += ref.size
         return ref
@@ -104,10 +130,17 @@ class Store:
     def put_file(self, src: Path) -> BlobRef:
         src = Path(src)
         ref = BlobRef(sha256_file(src), src.stat().st_size)
-        if self.backend.size(blob_path(ref.digest)) != ref.size:
+        if not self._kept(ref):
             self.backend.upload_file(blob_path(ref.digest), src)
             self.transfer.uploaded += ref.size
         return ref
+
+    def _kept(self, ref: BlobRef) -> bool:
+        """Whether the blob is in the store already, made young so that a collector leaves it to
+        the caller, who is about to rely on it (race: a collector that read its age before this
+        touch and deletes after it; storage/gc.py re-reads ages in small batches to keep that
+        window short, and a manifest published into it is incomplete, so readers call it a miss)."""
+        return self.has_blob(ref) and self.backend.touch(blob_path(ref.digest))
 
     def has_blob(self, ref: BlobRef) -> bool:
         return self.backend.size(blob_path(ref.digest)) == ref.size
@@ -157,18 +190,77 @@ class Store:
             raise UntrustedDocument(f"{path} in {self.uri} is not JSON ({e}); refusing it") from e
         return self.trust.open(path, doc)
 
+    def read_unchecked(self, path: str) -> dict[str, Any] | None:
+        """A JSON document's content without the signature check, or None if it is missing or not
+        a JSON object: only for keeping more (the collector's marks), never for serving."""
+        data = self.backend.read(path)
+        try:
+            doc = json.loads(data) if data is not None else None
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
     # manifests ---------------------------------------------------------------------
     def publish_manifest(self, key: str, manifest: dict[str, Any]) -> bool:
-        """Publish once. Every blob the manifest names must already be in the store.
+        """Publish once. Every blob the manifest names must already be in the store (each is made
+        young first: see `_kept`).
 
-        Returns False if a manifest for key already exists (another writer won)."""
+        Returns False if a complete manifest for key already exists (another writer won). One whose
+        blobs are gone is worth nothing: it is replaced."""
         self._check_blobs(key, manifest)
-        return self.put_document(manifest_path(key), manifest, if_absent=True)
+        if self.put_document(manifest_path(key), manifest, if_absent=True):
+            return True
+        try:
+            existing = self.get_manifest(key)
+        except UntrustedDocument:
+            return False  # not ours to judge or overwrite: the signature check will keep refusing it
+        if existing is None or not self.missing_blobs(existing):
+            return False
+        log.warning("%s: the published manifest names blobs that are gone (%s); replacing it", key,
+                    ", ".join(self.missing_blobs(existing)))
+        self.put_document(manifest_path(key), manifest)
+        return True
 
     def _check_blobs(self, key: str, manifest: dict[str, Any]) -> None:
         for role, ref in manifest.get("blobs", {}).items():
-            if ref is not None and not self.has_blob(BlobRef.from_dict(ref)):
+            if ref is not None and not self._kept(BlobRef.from_dict(ref)):
                 raise StoreError(f"refusing to publish {key}: its {role} blob {ref['digest']} is not in {self.uri}")
+
+    def missing_blobs(self, manifest: dict[str, Any]) -> list[str]:
+        """The roles (artifact, log, …) of the manifest's blobs that are not in the store."""
+        return [role for role, ref in manifest.get("blobs", {}).items()
+                if ref is not None and not self.has_blob(BlobRef.from_dict(ref))]
+
+    def complete_manifest(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
+        """The manifest of key if every blob it names is in the store; else None, and why (a blob
+        was deleted: by a collector, a lifecycle rule or a person). A reader never serves such a unit."""
+        manifest = self.get_manifest(key)
+        missing = self.missing_blobs(manifest) if manifest is not None else []
+        if missing:
+            return None, f"its manifest named {' and '.join(missing)} blob(s) that are gone from {self.uri}"
+        return manifest, None
+
+    def note_use(self, key: str, manifest: dict[str, Any]) -> bool:
+        """Renew the unit's last-use mark (its manifest's and blobs' mtime) if it is older than the
+        refresh age; True if it did. A process asks the store at most once per refresh age per key,
+        and a use writes only when the mark is old, so hits do not turn into writes. Best effort:
+        a store that refuses only loses the mark, never the read."""
+        now = self.clock()
+        if now - self._used.get(key, float("-inf")) < self.refresh_age_s:
+            return False
+        self._used[key] = now
+        try:
+            info = self.backend.stat(manifest_path(key))
+            if info is None or now - info.mtime < self.refresh_age_s:
+                return False
+            self.backend.touch(manifest_path(key))
+            for ref in manifest.get("blobs", {}).values():
+                if ref is not None:
+                    self.backend.touch(blob_path(BlobRef.from_dict(ref).digest))
+        except StoreError as e:
+            log.warning("%s: last use not recorded in %s (%s)", key, self.uri, e)
+            return False
+        return True
 
     def replace_manifest(self, key: str, manifest: dict[str, Any]) -> None:
         """Overwrite a manifest: only for a decision the user asked to revisit (autotune retune).

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from storage import CorruptBlob, StoreError
+from storage import CorruptBlob, Store, StoreError
 from storage.results import read_results, write_results
-from storage.store import blob_path
+from storage.store import blob_path, manifest_path
 
 
 def test_blob_round_trip_is_content_addressed(store):
@@ -103,3 +105,62 @@ def test_a_key_is_found_by_the_unique_prefix_tables_print(store):
                        ("../../etc", "hex digits")]:
         with pytest.raises(UnknownKey, match=says):
             store.resolve_key(text)
+
+
+def test_listing_and_stat_give_sizes_and_mtimes_and_touch_renews_only_the_mtime(store):
+    ref = store.put_bytes(b"an artifact")
+    path = blob_path(ref.digest)
+    before = store.backend.stat(path)
+    assert before.size == ref.size and abs(before.mtime - time.time()) < 120  # the server's clock, near ours
+    listed = {i.path: i for i in store.backend.list_info("blobs/")}
+    assert listed[path].size == ref.size and abs(listed[path].mtime - before.mtime) < 1.01
+    time.sleep(1.1)  # S3 keeps LastModified to the second
+    assert store.backend.touch(path)
+    after = store.backend.stat(path)
+    assert after.mtime > before.mtime and store.get_bytes(ref.digest) == b"an artifact"
+    assert not store.backend.touch(blob_path("e" * 64)) and store.backend.stat(blob_path("e" * 64)) is None
+
+
+def test_delete_many_goes_past_one_s3_batch(store):
+    paths = [f"jobs/bulk/{i:05d}" for i in range(1003)]  # S3's DeleteObjects takes 1000 a call
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda p: store.backend.write(p, b"x"), paths))
+    store.backend.delete_many(paths + ["jobs/bulk/never-was"])
+    assert list(store.backend.list("jobs/bulk/")) == []
+
+
+def test_a_use_renews_last_use_once_per_refresh_age(store):
+    """A hit writes nothing while the unit's last-use mark is younger than the refresh age (a day
+    by default); once it is older, the first use renews it, manifest and blobs, bytes unchanged."""
+    ref = store.put_bytes(b"artifact bytes")
+    manifest = {"key": "k", "blobs": {"artifact": ref.to_dict()}}
+    assert store.publish_manifest("k", manifest)
+    touched = []
+    real_touch = store.backend.touch
+    store.backend.touch = lambda p: touched.append(p) or real_touch(p)
+    now = time.time()
+    store.clock = lambda: now + 3600  # an hour later: the mark is young
+    assert not store.note_use("k", manifest) and touched == []
+    later = Store(store.backend, store.trust)  # another process, two days on: the mark is old
+    later.clock = lambda: now + 2 * 86400
+    assert later.note_use("k", manifest)
+    assert sorted(touched) == sorted([manifest_path("k"), blob_path(ref.digest)])
+    assert not later.note_use("k", manifest)  # that process asks the store again only a refresh age later
+    after = Store(store.backend, store.trust)  # a third, half a day after the renewal: young again
+    after.clock = lambda: time.time() + 86400 / 2
+    assert not after.note_use("k", manifest) and len(touched) == 2
+    assert store.get_manifest("k") == manifest and store.get_bytes(ref.digest) == b"artifact bytes"
+
+
+def test_a_manifest_whose_blob_is_gone_is_not_served_and_is_replaced_on_publish(store):
+    ref, log = store.put_bytes(b"artifact"), store.put_bytes(b"log")
+    first = {"key": "k3", "blobs": {"artifact": ref.to_dict(), "log": log.to_dict()}, "n": 1}
+    assert store.publish_manifest("k3", first)
+    store.backend.delete(blob_path(ref.digest))  # a collector, a lifecycle rule or a person
+    manifest, why = store.complete_manifest("k3")
+    assert manifest is None and "artifact" in why and "gone" in why
+    again = store.put_bytes(b"artifact, built again")  # never the same bytes twice
+    second = {**first, "blobs": {"artifact": again.to_dict(), "log": log.to_dict()}, "n": 2}
+    assert store.publish_manifest("k3", second)
+    assert store.complete_manifest("k3") == (second, None)
+    assert not store.publish_manifest("k3", {**second, "n": 3})  # a complete one stands, as ever

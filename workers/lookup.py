@@ -44,7 +44,8 @@ class Found:
     identity: dict[str, str]
     built_with: str  # digest of the weight values the program carries
     identity_known: bool  # named from the store (no sandbox loaded the program for it)
-    manifest: dict[str, Any] | None
+    manifest: dict[str, Any] | None  # only a complete one: every blob it names is in the store
+    incomplete: str | None = None  # why a manifest that exists is not served (a blob of it is gone)
 
 
 Identify = Callable[[], tuple[dict[str, str], str]]
@@ -66,7 +67,10 @@ def find(unit: Unit, store: Store, identify: Identify) -> Found:
     components = key_components(identity, backend.target_components(unit.target), unit.target.options_dict,
                                 backend.toolchain(unit.target))
     key = key_of(components)
-    return Found(key, components, identity, built_with, known is not None, store.get_manifest(key))
+    manifest, incomplete = store.complete_manifest(key)
+    if manifest is not None:
+        store.note_use(key, manifest)  # a lookup that finds it is a use (as REAPI's FindMissingBlobs)
+    return Found(key, components, identity, built_with, known is not None, manifest, incomplete)
 
 
 def parse_identity(reply: dict[str, Any]) -> tuple[dict[str, str], str]:

@@ -188,6 +188,8 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, body: Bod
                 log.note(f"torch trace not saved: {e}")
     if ctx.found is not None:
         result.key, result.components = ctx.found.key, ctx.found.components
+        if ctx.found.incomplete and result.status == "compiled":
+            result.note = f"compiled again: {ctx.found.incomplete}"
     result.timings = {**phases.timings, "total": time.perf_counter() - start}
     if result.status == "failed":
         try:
@@ -221,6 +223,8 @@ def unit_key(ctx: UnitContext, before_loading: Callable[[], Any] = lambda: None)
     if ctx.found.identity_known:
         ctx.log.note("program identity from the store (computed from these archive bytes by an earlier sandbox)")
     ctx.log.note(f"key {ctx.found.key} (weights: {ctx.unit.target.weights})")
+    if ctx.found.incomplete:
+        ctx.log.note(f"not a hit: {ctx.found.incomplete}; compiling it again")
     return ctx.found
 
 
@@ -337,7 +341,7 @@ def claim_key(ctx: UnitContext, key: str) -> Lease | dict[str, Any]:
 
     start = time.perf_counter()
     with phase("lease"):
-        claim = leases.claim(key, lambda: ctx.store.get_manifest(key), on_wait=waiting)
+        claim = leases.claim(key, lambda: ctx.store.complete_manifest(key)[0], on_wait=waiting)
     if holders:  # time spent because another worker held the key, not the claim's own round trips
         phase.timings["lease_wait"] = time.perf_counter() - start
     if isinstance(claim, Lease) and holders:

@@ -334,7 +334,7 @@ class _Lockstep:
         if manifest is None:  # the leader publishes once every rank verified
             [said] = self.comm.await_posts([f"{self.tag}/published/{leader}"], unit.limits.timeout_s,
                                            f"rank {leader} to publish")
-            manifest = store.get_manifest(found.key)
+            manifest = store.complete_manifest(found.key)[0]
             if manifest is None:
                 raise UnitFailed(f"rank {leader}, which compiles this rank's graph for the gang, did not publish it: "
                                  f"{said['error']}")

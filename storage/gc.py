@@ -1,0 +1,310 @@
+"""The store's collector: mark and sweep, safe beside publishers and readers.
+
+Mark: what is kept refers to what it needs. Pins keep their units (and their jobs' records);
+units used within `unused_days` are kept (last use is a manifest's mtime: storage/store.py);
+job records as young, or named by the nightly history, are kept; every blob a kept manifest,
+job record, tuning record or pin refers to is kept. Sweep, in this order: unit manifests, job
+records, then blobs nothing refers to that are older than the grace period, then expired leases.
+
+Races, and how each is closed:
+- A publish in flight has its blobs up and its manifest not yet written: nothing refers to them,
+  but they are younger than the grace period (or were made young by the publisher, which touches
+  every blob it relies on before naming it: `Store._kept`).
+- A manifest published after the listing is not in the mark: its blobs were touched by its
+  publisher, and every blob's age is read again just before its batch is deleted.
+- A unit used after the listing: its use renewed its manifest's mtime (when older than the
+  refresh age), and a manifest's age is read again just before it is deleted, too.
+- Left open, by design: a touch that lands between that second read and the delete (a few
+  milliseconds per batch). The manifest it protected is then incomplete, and readers treat an
+  incomplete manifest as a miss (`Store.complete_manifest`): the unit is compiled again, never
+  served broken. Clocks: ages compare the server's mtimes with this machine's clock, so the
+  grace period must be far longer than their skew (the default is a day).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from storage.backend import ObjectInfo
+from storage.pins import pins
+from storage.store import Store
+
+log = logging.getLogger(__name__)
+
+DAY_S = 86400.0
+DIGEST = re.compile(r"[0-9a-f]{64}")
+READERS = 32  # documents read at once (a listing of 100,000 objects holds thousands)
+RECHECK_BATCH = 256  # ages read again just before each batch of deletes
+KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "other")
+
+
+@dataclass(frozen=True)
+class Policy:
+    unused_days: float = 30.0  # units (and job records) unused this long go; 0: every unpinned one
+    max_bytes: int | None = None  # then least recently used units too, until the store fits
+    grace_s: float = DAY_S  # an unreferenced blob younger than this stays (a publish in flight)
+    lease_expiry_s: float = 3600.0  # a lease not renewed this long is gone (holders renew every few seconds)
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("unused_days", "grace_s", "lease_expiry_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"gc: {name} must be a number >= 0, not {getattr(self, name)!r}")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"gc: max_bytes must be >= 0, not {self.max_bytes!r}")
+
+
+@dataclass
+class Tally:
+    count: int = 0
+    bytes: int = 0
+
+    def add(self, size: int) -> None:
+        self.count += 1
+        self.bytes += size
+
+
+@dataclass
+class Report:
+    deleted: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    kept: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    dry_run: bool = False
+    objects: int = 0  # listed
+    spared: int = 0  # chosen, then left because a use or a publisher made them young meanwhile
+
+    def to_dict(self) -> dict[str, Any]:
+        table = lambda d: {k: {"count": d[k].count, "bytes": d[k].bytes} for k in KINDS if k in d}
+        return {"dry_run": self.dry_run, "objects": self.objects, "spared": self.spared,
+                "deleted": table(self.deleted), "kept": table(self.kept)}
+
+
+def kind_of(path: str) -> str:
+    top = path.split("/", 1)[0]
+    return top if top in KINDS else "other"
+
+
+def digests_in(value: Any) -> Iterable[str]:
+    """Every sha256 named anywhere in a JSON value: conservative, so more is kept, never less."""
+    if isinstance(value, str):
+        if DIGEST.fullmatch(value):
+            yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from digests_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from digests_in(v)
+
+
+def blob_digest(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+class _Listing:
+    """One listing of the whole store, by kind."""
+
+    def __init__(self, objects: list[ObjectInfo]):
+        self.by_kind: dict[str, list[ObjectInfo]] = defaultdict(list)
+        for info in objects:
+            self.by_kind[kind_of(info.path)].append(info)
+        self.units = {i.path[len("units/"):-len(".json")]: i for i in self.by_kind["units"] if i.path.endswith(".json")}
+        self.jobs: dict[str, list[ObjectInfo]] = defaultdict(list)
+        for info in self.by_kind["jobs"]:
+            parts = info.path.split("/")
+            if len(parts) >= 3:
+                self.jobs[parts[1]].append(info)
+        self.leases: dict[str, list[ObjectInfo]] = defaultdict(list)
+        for info in self.by_kind["leases"]:
+            self.leases[info.path.split("/")[1]].append(info)
+
+
+def _read_all(store: Store, paths: list[str]) -> dict[str, dict[str, Any] | None]:
+    with ThreadPoolExecutor(READERS) as pool:
+        return dict(zip(paths, pool.map(store.read_unchecked, paths)))
+
+
+def _history_jobs(store: Store) -> set[str] | None:
+    """Job ids the nightly history refers to; None when it cannot be read (then every job record stays)."""
+    from storage.history import read_history
+
+    try:
+        table = read_history(store)
+    except Exception as e:  # a damaged history must not cost the records it names
+        log.warning("gc: the nightly history in %s could not be read (%s); keeping every job record", store.uri, e)
+        return None
+    return {j for j in table.column("job_id").to_pylist() if j} if "job_id" in table.column_names else set()
+
+
+def _job_digests(store: Store, files: list[ObjectInfo]) -> set[str]:
+    """Blobs a job record refers to: its results table's digests and any its JSON files name."""
+    from storage.results import read_results
+
+    found: set[str] = set()
+    for info in files:
+        name = info.path.rsplit("/", 1)[-1]
+        if name == "results.parquet":
+            rows = read_results(store, info.path.split("/")[1]) or []
+            found |= {r[c] for r in rows for c in ("artifact_digest", "log_digest", "trace_digest") if r.get(c)}
+        elif name.endswith(".json"):
+            found |= set(digests_in(store.read_unchecked(info.path)))
+    return found
+
+
+class Snapshot:
+    """The store as the mark phase sees it: one listing, every manifest and pin read once. A plan
+    for any policy comes from it (`farm du` asks several)."""
+
+    def __init__(self, store: Store, now: float):
+        self.store, self.now = store, now
+        self.listing = _Listing(list(store.backend.list_info("")))
+        self.pins = pins(store)
+        manifests = _read_all(store, [f"units/{k}.json" for k in self.listing.units])
+        self.manifests = {k: manifests[f"units/{k}.json"] or {} for k in self.listing.units}
+        self.refs = {k: set(digests_in(doc)) for k, doc in self.manifests.items()}
+        self.history_jobs = _history_jobs(store) if self.listing.jobs else set()
+        docs = _read_all(store, [i.path for k in ("tuning", "pins") for i in self.listing.by_kind.get(k, [])
+                                 if i.path.endswith(".json")])
+        self.fixed_refs = {d for doc in docs.values() for d in digests_in(doc or {})}  # tuning records, pins
+        self._job_refs: dict[str, set[str]] = {}
+
+    def job_refs(self, job: str) -> set[str]:
+        if job not in self._job_refs:
+            self._job_refs[job] = _job_digests(self.store, self.listing.jobs[job])
+        return self._job_refs[job]
+
+    @property
+    def objects(self) -> int:
+        return sum(len(v) for v in self.listing.by_kind.values())
+
+
+@dataclass
+class Plan:
+    units: set[str]  # keys whose manifests go
+    jobs: set[str]  # job ids whose records go
+    blobs: set[str]  # digests that go
+    leases: set[str]  # keys whose expired leases go
+
+
+def plan(snap: Snapshot, policy: Policy) -> Plan:
+    """What the collector would delete under `policy` (see the module doc for the rules)."""
+    listing, now = snap.listing, snap.now
+    limit = policy.unused_days * DAY_S
+    keep_units = {k for p in snap.pins for k in p.keys}
+    units = {k for k, info in listing.units.items() if k not in keep_units and now - info.mtime > limit}
+    if snap.history_jobs is None:
+        jobs: set[str] = set()
+    else:
+        keep_jobs = snap.history_jobs | {p.job for p in snap.pins if p.job}
+        jobs = {j for j, files in listing.jobs.items() if j not in keep_jobs and now - max(i.mtime for i in files) > limit}
+    others = set(snap.fixed_refs)
+    for job in listing.jobs:
+        if job not in jobs:
+            others |= snap.job_refs(job)
+    blob_infos = {blob_digest(i.path): i for i in listing.by_kind["blobs"]}
+    if policy.max_bytes is not None:
+        units |= _to_fit(snap, policy, units, jobs, others, blob_infos, keep_units)
+    marked = others.union(*(snap.refs[k] for k in listing.units if k not in units))
+    blobs = {d for d, i in blob_infos.items() if d not in marked and now - i.mtime > policy.grace_s}
+    leases = {k for k, files in listing.leases.items() if now - max(i.mtime for i in files) > policy.lease_expiry_s}
+    return Plan(units, jobs, blobs, leases)
+
+
+def _to_fit(snap: Snapshot, policy: Policy, doomed: set[str], doomed_jobs: set[str], others: set[str],
+            blob_infos: dict[str, ObjectInfo], pinned: set[str]) -> set[str]:
+    """Least recently used units beyond those too old, until the store's bytes fit max_bytes
+    (counting what each frees: its manifest, and blobs only it refers to, once past the grace)."""
+    listing, now = snap.listing, snap.now
+    holders = Counter(d for k, ds in snap.refs.items() if k not in doomed for d in ds)
+    freed = lambda d: holders[d] == 0 and d not in others and now - blob_infos[d].mtime > policy.grace_s
+    total = sum(i.size for infos in listing.by_kind.values() for i in infos)
+    total -= sum(listing.units[k].size for k in doomed)
+    total -= sum(i.size for j in doomed_jobs for i in listing.jobs[j])
+    total -= sum(i.size for d, i in blob_infos.items() if freed(d))
+    more: set[str] = set()
+    for key in sorted((k for k in listing.units if k not in doomed and k not in pinned), key=lambda k: listing.units[k].mtime):
+        if total <= (policy.max_bytes or 0):
+            break
+        more.add(key)
+        total -= listing.units[key].size
+        for d in snap.refs[key]:
+            holders[d] -= 1
+            if d in blob_infos and freed(d):
+                total -= blob_infos[d].size
+    return more
+
+
+class Collector:
+    """Carries out a plan: deletes in batches, reading ages again just before each batch."""
+
+    def __init__(self, store: Store, policy: Policy):
+        self.store, self.policy = store, policy
+        self.report = Report(dry_run=policy.dry_run)
+
+    def run(self, snap: Snapshot | None = None) -> Report:
+        snap = snap or Snapshot(self.store, self.store.clock())
+        self.report.objects = snap.objects
+        chosen = plan(snap, self.policy)
+        listing = snap.listing
+        gone_units = self._delete(listing.units, chosen.units, "units")
+        self._delete_groups(listing.jobs, chosen.jobs, "jobs")
+        # a manifest spared at the last moment keeps its blobs
+        spared = chosen.units - gone_units
+        blob_infos = {blob_digest(i.path): i for i in listing.by_kind["blobs"]}
+        sweep = {d for d in chosen.blobs if not any(d in snap.refs[k] for k in spared)}
+        self._delete(blob_infos, sweep, "blobs")
+        self._delete_groups(listing.leases, chosen.leases, "leases")
+        for kind in KINDS:
+            if kind not in ("units", "blobs", "jobs", "leases"):
+                for info in listing.by_kind.get(kind, []):
+                    self.report.kept[kind].add(info.size)
+        return self.report
+
+    # sweeping -----------------------------------------------------------------------
+    def _delete(self, infos: dict[str, ObjectInfo], chosen: set[str], kind: str) -> set[str]:
+        """Delete the chosen objects, reading each one's mtime again just before its batch goes:
+        one that a use or a publisher touched since the listing stays. Returns the names deleted."""
+        gone: set[str] = set()
+        names = sorted(chosen)
+        for name, info in infos.items():
+            if name not in chosen:
+                self.report.kept[kind].add(info.size)
+        for start in range(0, len(names), RECHECK_BATCH):
+            batch = names[start:start + RECHECK_BATCH]
+            if self.policy.dry_run:
+                now = [infos[n] for n in batch]
+            else:
+                with ThreadPoolExecutor(READERS) as pool:
+                    now = list(pool.map(lambda n: self.store.backend.stat(infos[n].path), batch))
+            go = []
+            for name, info in zip(batch, now):
+                if info is None:
+                    continue  # already gone (another collector, a person)
+                if info.mtime > infos[name].mtime:
+                    self.report.spared += 1
+                    self.report.kept[kind].add(info.size)
+                    continue
+                go.append(info.path)
+                gone.add(name)
+                self.report.deleted[kind].add(info.size)
+            if go and not self.policy.dry_run:
+                self.store.backend.delete_many(go)
+        return gone
+
+    def _delete_groups(self, groups: dict[str, list[ObjectInfo]], chosen: set[str], kind: str) -> None:
+        """Job records and leases: every object of a chosen group goes (no age read again: they are
+        chosen by their newest object's age, far beyond any write in flight)."""
+        for name, files in groups.items():
+            for info in files:
+                (self.report.deleted if name in chosen else self.report.kept)[kind].add(info.size)
+        paths = [i.path for name in sorted(chosen) for i in groups[name]]
+        if paths and not self.policy.dry_run:
+            self.store.backend.delete_many(paths)
+
+
+def collect(store: Store, policy: Policy) -> Report:
+    """One collection (or, with policy.dry_run, what one would delete)."""
+    return Collector(store, policy).run()
