@@ -189,17 +189,23 @@ class Plan:
     leases: set[str]  # keys whose expired leases go
 
 
+def _older(now: float, mtime: float, limit_s: float) -> bool:
+    """Older than the limit; a limit of 0 means any age (an mtime a little ahead of this clock too)."""
+    return limit_s == 0 or now - mtime > limit_s
+
+
 def plan(snap: Snapshot, policy: Policy) -> Plan:
     """What the collector would delete under `policy` (see the module doc for the rules)."""
     listing, now = snap.listing, snap.now
     limit = policy.unused_days * DAY_S
     keep_units = {k for p in snap.pins for k in p.keys}
-    units = {k for k, info in listing.units.items() if k not in keep_units and now - info.mtime > limit}
+    units = {k for k, info in listing.units.items() if k not in keep_units and _older(now, info.mtime, limit)}
     if snap.history_jobs is None:
         jobs: set[str] = set()
     else:
         keep_jobs = snap.history_jobs | {p.job for p in snap.pins if p.job}
-        jobs = {j for j, files in listing.jobs.items() if j not in keep_jobs and now - max(i.mtime for i in files) > limit}
+        jobs = {j for j, files in listing.jobs.items()
+                if j not in keep_jobs and _older(now, max(i.mtime for i in files), limit)}
     others = set(snap.fixed_refs)
     for job in listing.jobs:
         if job not in jobs:
@@ -208,8 +214,8 @@ def plan(snap: Snapshot, policy: Policy) -> Plan:
     if policy.max_bytes is not None:
         units |= _to_fit(snap, policy, units, jobs, others, blob_infos, keep_units)
     marked = others.union(*(snap.refs[k] for k in listing.units if k not in units))
-    blobs = {d for d, i in blob_infos.items() if d not in marked and now - i.mtime > policy.grace_s}
-    leases = {k for k, files in listing.leases.items() if now - max(i.mtime for i in files) > policy.lease_expiry_s}
+    blobs = {d for d, i in blob_infos.items() if d not in marked and _older(now, i.mtime, policy.grace_s)}
+    leases = {k for k, files in listing.leases.items() if _older(now, max(i.mtime for i in files), policy.lease_expiry_s)}
     return Plan(units, jobs, blobs, leases)
 
 
@@ -219,7 +225,7 @@ def _to_fit(snap: Snapshot, policy: Policy, doomed: set[str], doomed_jobs: set[s
     (counting what each frees: its manifest, and blobs only it refers to, once past the grace)."""
     listing, now = snap.listing, snap.now
     holders = Counter(d for k, ds in snap.refs.items() if k not in doomed for d in ds)
-    freed = lambda d: holders[d] == 0 and d not in others and now - blob_infos[d].mtime > policy.grace_s
+    freed = lambda d: holders[d] == 0 and d not in others and _older(now, blob_infos[d].mtime, policy.grace_s)
     total = sum(i.size for infos in listing.by_kind.values() for i in infos)
     total -= sum(listing.units[k].size for k in doomed)
     total -= sum(i.size for j in doomed_jobs for i in listing.jobs[j])

@@ -44,15 +44,16 @@ def pin(store: Store, keys: list[str], label: str | None = None, job: str | None
     """Pin `keys` (each must have a manifest) under `label`, else under the key or the job."""
     if not keys:
         raise ValueError("nothing to pin: no keys given" + (f" (job {job} has no compiled or hit units)" if job else ""))
-    missing = [k for k in keys if store.get_manifest(k) is None]
-    if missing:
-        raise ValueError(f"no manifest for {', '.join(k[:16] for k in missing)} in {store.uri}: only published units can be pinned")
     name = label or (f"job-{job}" if job else keys[0] if len(keys) == 1 else None)
     if name is None:
         raise ValueError("pinning several keys needs a --label to name the pin")
+    path = _path(name)
+    missing = [k for k in keys if store.get_manifest(k) is None]
+    if missing:
+        raise ValueError(f"no manifest for {', '.join(k[:16] for k in missing)} in {store.uri}: only published units can be pinned")
     doc = {"name": name, "label": label, "keys": sorted(set(keys)), "job": job,
            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    store.put_document(_path(name), doc)
+    store.put_document(path, doc)
     return Pin.from_doc(doc)
 
 

@@ -1,0 +1,169 @@
+"""The store's collector on a local store and a fake clock: what the mark phase keeps (what refers
+to what), the age rules, --max-gb, and the races with publishers and readers (storage/gc.py)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from storage import Store, store_from_uri
+from storage.gc import DAY_S, Collector, Policy, Snapshot, collect
+from storage.history import append_run
+from storage.pins import pin, pins, unpin
+from storage.results import write_results
+from storage.store import blob_path, manifest_path
+from storage.tuning import put_tuning_record, record_path
+
+NOW = time.time()
+
+
+def _age(store: Store, path: str, days: float) -> None:
+    """Make an object look last written `days` ago (a local store's mtime is its last use)."""
+    when = NOW - days * DAY_S
+    os.utime(Path(store.backend.root) / path, (when, when))
+
+
+def _blob(store: Store, data: bytes, days: float = 0.0):
+    ref = store.put_bytes(data)
+    _age(store, blob_path(ref.digest), days)
+    return ref
+
+
+def _unit(store: Store, key: str, days: float, **blobs) -> dict:
+    manifest = {"key": key, "target": "aoti-cpu:avx2", "blobs": {role: ref.to_dict() for role, ref in blobs.items()}}
+    assert store.publish_manifest(key, manifest)
+    _age(store, manifest_path(key), days)
+    for ref in blobs.values():
+        _age(store, blob_path(ref.digest), days)
+    return manifest
+
+
+def _job(store: Store, job_id: str, days: float, artifact) -> None:
+    write_results(store, job_id, [{"job_id": job_id, "graph": "g", "target": "aoti-cpu", "key": "k" * 64,
+                                   "status": "compiled", "artifact_digest": artifact.digest}])
+    store.put_job_file(job_id, "status.json", b'{"state": "done"}')
+    for name in ("results.parquet", "status.json"):
+        _age(store, f"jobs/{job_id}/{name}", days)
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    s = store_from_uri(str(tmp_path / "store"))
+    s.clock = lambda: NOW
+    return s
+
+
+def _exists(store: Store, ref) -> bool:
+    return store.backend.stat(blob_path(ref.digest)) is not None
+
+
+def test_the_mark_keeps_what_kept_things_refer_to_and_the_sweep_takes_the_rest(store):
+    program = _blob(store, b"program shared by two units", days=40)
+    old_artifact, old_log = _blob(store, b"old artifact"), _blob(store, b"old log")
+    _unit(store, "a" * 64, 40, artifact=old_artifact, log=old_log, program=program)
+    fresh_artifact = _blob(store, b"fresh artifact")
+    _unit(store, "b" * 64, 1, artifact=fresh_artifact, program=program)
+    pinned_artifact = _blob(store, b"pinned artifact")
+    _unit(store, "c" * 64, 400, artifact=pinned_artifact)
+    pin(store, ["c" * 64], label="release-1")
+    old_job_artifact, history_artifact = _blob(store, b"old job's", 40), _blob(store, b"history's job's", 40)
+    _job(store, "old-job", 40, old_job_artifact)
+    _job(store, "nightly-job", 40, history_artifact)
+    append_run(store, "2026-10-01", "run-1", [{"run_id": "run-1", "model": "mlp", "job_id": "nightly-job"}])
+    tuned = _blob(store, b"a tuning record's candidate", 40)
+    put_tuning_record(store, record_path("d" * 64, "cpu-fp"), {"candidates": [{"artifact": {"digest": tuned.digest}}]})
+    orphan_old, orphan_young = _blob(store, b"nothing refers to me", 2), _blob(store, b"a publish in flight", 0.1)
+    store.backend.write("leases/" + "e" * 64 + "/0000000000.json", b"{}")
+    _age(store, "leases/" + "e" * 64 + "/0000000000.json", 1)
+    store.backend.write("leases/" + "f" * 64 + "/0000000000.json", b"{}")  # a holder renewing it now
+
+    report = collect(store, Policy(unused_days=30)).to_dict()
+
+    assert set(store.manifest_keys()) == {"b" * 64, "c" * 64}
+    gone = [old_artifact, old_log, old_job_artifact, orphan_old]
+    kept = [program, fresh_artifact, pinned_artifact, history_artifact, tuned, orphan_young]
+    assert [_exists(store, r) for r in gone] == [False] * len(gone)
+    assert [_exists(store, r) for r in kept] == [True] * len(kept)
+    assert store.job_ids() == ["nightly-job"]  # the history's job record stays, the history too
+    assert [i.path.split("/")[1] for i in store.backend.list_info("leases/")] == ["f" * 64]
+    assert report["deleted"]["units"]["count"] == 1 and report["deleted"]["blobs"]["count"] == 4
+    assert report["deleted"]["jobs"]["count"] == 2 and report["deleted"]["leases"]["count"] == 1
+    assert report["kept"]["units"]["count"] == 2 and report["kept"]["history"]["count"] == 1
+
+
+def test_a_dry_run_reports_the_same_and_deletes_nothing(store):
+    _unit(store, "a" * 64, 40, artifact=_blob(store, b"old artifact"))
+    before = sorted(i.path for i in store.backend.list_info(""))
+    dry = collect(store, Policy(unused_days=30, dry_run=True)).to_dict()
+    assert sorted(i.path for i in store.backend.list_info("")) == before
+    real = collect(store, Policy(unused_days=30)).to_dict()
+    assert dry["deleted"] == real["deleted"] and dry["dry_run"] and not real["dry_run"]
+    assert list(store.manifest_keys()) == []
+
+
+def test_unused_days_zero_takes_every_unpinned_unit_and_unpinning_lets_it_go(store):
+    _unit(store, "a" * 64, 0, artifact=_blob(store, b"a"))
+    _unit(store, "b" * 64, 0, artifact=_blob(store, b"b"))
+    pin(store, ["b" * 64])
+    collect(store, Policy(unused_days=0, grace_s=0))
+    assert list(store.manifest_keys()) == ["b" * 64] and [p.name for p in pins(store)] == ["b" * 64]
+    assert unpin(store, "b" * 64) and not unpin(store, "b" * 64)
+    collect(store, Policy(unused_days=0, grace_s=0))
+    assert list(store.manifest_keys()) == [] and list(store.backend.list("blobs/")) == []
+
+
+def test_max_gb_takes_the_least_recently_used_units_until_the_store_fits(store):
+    for i, days in enumerate((5, 3, 1)):  # unit 0 is the least recently used
+        _unit(store, str(i) * 64, days, artifact=_blob(store, bytes([i]) * 100_000))
+    total = sum(i.size for i in store.backend.list_info(""))
+    collect(store, Policy(unused_days=30, grace_s=0, max_bytes=total - 150_000))  # room for one fewer is not enough
+    assert sorted(store.manifest_keys()) == ["2" * 64]
+    assert sum(i.size for i in store.backend.list_info("")) <= total - 150_000
+
+
+def test_a_blob_a_publisher_relies_on_after_the_listing_is_spared(store):
+    """Race: the collector lists an old blob nothing refers to; a publisher then finds it in the
+    store, skips its upload, and publishes a manifest naming it; the collector deletes after."""
+    old = _blob(store, b"an artifact someone built before", days=3)
+    snap = Snapshot(store, NOW)  # the listing: old, unreferenced
+    ref = store.put_bytes(b"an artifact someone built before")  # the publisher: there already, made young
+    store.publish_manifest("p" * 64, {"key": "p" * 64, "blobs": {"artifact": ref.to_dict()}})
+    report = Collector(store, Policy(grace_s=DAY_S)).run(snap).to_dict()
+    assert _exists(store, old) and store.complete_manifest("p" * 64)[0] is not None
+    assert report["spared"] == 1 and "blobs" not in report["deleted"]
+
+
+def test_a_unit_used_after_the_listing_keeps_its_manifest_and_blobs(store):
+    artifact = _blob(store, b"an artifact used again")
+    manifest = _unit(store, "u" * 64, 40, artifact=artifact)
+    snap = Snapshot(store, NOW)
+    assert store.note_use("u" * 64, manifest)  # a hit, between the listing and the sweep
+    Collector(store, Policy(unused_days=30)).run(snap)
+    assert store.complete_manifest("u" * 64)[0] == manifest and _exists(store, artifact)
+
+
+def test_a_publish_in_flight_keeps_its_blobs_for_the_grace_period(store):
+    uploaded = _blob(store, b"uploaded, its manifest not yet written", days=0.5)
+    collect(store, Policy(grace_s=DAY_S))
+    assert _exists(store, uploaded)
+    collect(store, Policy(grace_s=3600))  # past a shorter grace: nothing refers to it
+    assert not _exists(store, uploaded)
+
+
+def test_a_running_jobs_record_keeps_its_programs_and_finished_units_blobs(store):
+    program, finished = _blob(store, b"program in flight", 3), _blob(store, b"a finished unit's artifact", 3)
+    store.put_job_file("running-job", "status.json",
+                       f'{{"state": "running", "programs": ["{program.digest}"], "blobs": ["{finished.digest}"]}}'.encode())
+    collect(store, Policy(unused_days=1, grace_s=60))
+    assert _exists(store, program) and _exists(store, finished)
+
+
+def test_policy_and_pin_names_are_checked(store):
+    with pytest.raises(ValueError, match="grace_s"):
+        Policy(grace_s=-1)
+    with pytest.raises(ValueError, match="cannot name a pin"):
+        pin(store, ["a" * 64], label="../escape")
+    with pytest.raises(ValueError, match="only published units"):
+        pin(store, ["a" * 64])
