@@ -11,11 +11,12 @@ Races, and how each is closed:
   but they are younger than the grace period (or were made young by the publisher, which touches
   every blob it relies on before naming it: `Store._kept`).
 - A manifest published after the listing is not in the mark: its blobs were touched by its
-  publisher, and every blob's age is read again just before its batch is deleted.
+  publisher, and every blob's mtime is read again (its shard listed again) just before the
+  shard's deletes; one that changed since the listing stays.
 - A unit used after the listing: its use renewed its manifest's mtime (when older than the
-  refresh age), and a manifest's age is read again just before it is deleted, too.
-- Left open, by design: a touch that lands between that second read and the delete (a few
-  milliseconds per batch). The manifest it protected is then incomplete, and readers treat an
+  refresh age), and manifests are read again the same way before they are deleted.
+- Left open, by design: a touch that lands between that second read and the delete (one
+  listing and one delete call per shard). The manifest it protected is then incomplete, and readers treat an
   incomplete manifest as a miss (`Store.complete_manifest`): the unit is compiled again, never
   served broken. Clocks: ages compare the server's mtimes with this machine's clock, so the
   grace period must be far longer than their skew (the default is a day).
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 DAY_S = 86400.0
 DIGEST = re.compile(r"[0-9a-f]{64}")
 READERS = 32  # documents read at once (a listing of 100,000 objects holds thousands)
-RECHECK_BATCH = 256  # ages read again just before each batch of deletes
+STAT_AT_MOST = 8  # a shard with more objects to delete is listed again instead of stat'ed object by object
 KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "other")
 
 
@@ -271,22 +272,23 @@ class Collector:
 
     # sweeping -----------------------------------------------------------------------
     def _delete(self, infos: dict[str, ObjectInfo], chosen: set[str], kind: str) -> set[str]:
-        """Delete the chosen objects, reading each one's mtime again just before its batch goes:
-        one that a use or a publisher touched since the listing stays. Returns the names deleted."""
+        """Delete the chosen objects shard by shard (`units/ab`, `blobs/sha256/ab/`), reading the
+        shard's mtimes again just before its delete: one a use or a publisher touched since the
+        listing stays. Returns the names deleted."""
         gone: set[str] = set()
-        names = sorted(chosen)
         for name, info in infos.items():
             if name not in chosen:
                 self.report.kept[kind].add(info.size)
-        for start in range(0, len(names), RECHECK_BATCH):
-            batch = names[start:start + RECHECK_BATCH]
-            if self.policy.dry_run:
-                now = [infos[n] for n in batch]
-            else:
-                with ThreadPoolExecutor(READERS) as pool:
-                    now = list(pool.map(lambda n: self.store.backend.stat(infos[n].path), batch))
+        shards: dict[str, list[str]] = defaultdict(list)
+        for name in chosen:
+            path = infos[name].path
+            cut = path.rfind("/") + 1
+            shards[path[:cut + 2]].append(name)
+        for prefix, names in sorted(shards.items()):
+            now = {n: infos[n] for n in names} if self.policy.dry_run else self._now(prefix, [infos[n] for n in names])
             go = []
-            for name, info in zip(batch, now):
+            for name in names:
+                info = now.get(name)
                 if info is None:
                     continue  # already gone (another collector, a person)
                 if info.mtime > infos[name].mtime:
@@ -299,6 +301,16 @@ class Collector:
             if go and not self.policy.dry_run:
                 self.store.backend.delete_many(go)
         return gone
+
+    def _now(self, prefix: str, listed: list[ObjectInfo]) -> dict[str, ObjectInfo]:
+        """The objects' current mtimes by name: one listing of their shard, or a stat each for a few."""
+        if len(listed) <= STAT_AT_MOST:
+            with ThreadPoolExecutor(min(READERS, len(listed))) as pool:
+                found = [i for i in pool.map(lambda i: self.store.backend.stat(i.path), listed) if i is not None]
+        else:
+            wanted = {i.path for i in listed}
+            found = [i for i in self.store.backend.list_info(prefix) if i.path in wanted]
+        return {i.path.rsplit("/", 1)[-1].removesuffix(".json"): i for i in found}
 
     def _delete_groups(self, groups: dict[str, list[ObjectInfo]], chosen: set[str], kind: str) -> None:
         """Job records and leases: every object of a chosen group goes (no age read again: they are

@@ -119,6 +119,14 @@ def test_a_jailed_child_has_no_network_sees_no_worker_and_no_gpu(tmp_path):
     assert not [d for d in got["devices"] if d.startswith(("nvidia", "dri"))]  # a CPU child sees no GPU
 
 
+def test_a_jailed_child_sees_the_cpus_topology_and_no_more_of_sys(tmp_path):
+    """torch's default thread count and Inductor's cache sizes come from /sys/devices/system/cpu;
+    the rest of /sys is absent (ENOENT, which gloo's scan of /sys/bus tolerates; EACCES it does not)."""
+    got = run_jailed([("list", "/sys/devices/system/cpu"), ("list", "/sys/bus/pci/devices"), ("list", "/sys/class/net")],
+                     tmp_path)["tries"]
+    assert got[0] == "ok" and all(r.startswith("FileNotFoundError") for r in got[1:]), got
+
+
 def test_a_gangs_child_keeps_the_network_its_collectives_need(tmp_path):
     server = socket.create_server(("127.0.0.1", 0))
     try:

@@ -210,8 +210,9 @@ def _devices(device: str) -> list[str]:
         # the CPU's topology only: torch's default thread count and the cache sizes that
         # Inductor's CPU GEMM templates block for are read there; without it, the child's code and
         # timings would differ from what the host itself runs
+        # (its parents 0755: a 0700 /sys would make gloo's scan of /sys/bus fail with EACCES, not ENOENT)
         cpu = "/sys/devices/system/cpu"
-        return ["--ro-bind", cpu, cpu] if os.path.isdir(cpu) else []
+        return [*_dirs(Path(cpu)), "--ro-bind", cpu, cpu] if os.path.isdir(cpu) else []
     # the driver's nodes only: /dev/nvidia0.., nvidiactl, nvidia-uvm(-tools), nvidia-caps
     return [a for p in sorted(Path("/dev").glob("nvidia*")) for a in ("--dev-bind", str(p), str(p))] + \
         ["--ro-bind", "/sys", "/sys"]
