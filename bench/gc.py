@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=22000)
     ap.add_argument("--orphans", type=int, default=10000)
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress as it goes, also into a file
     with tempfile.TemporaryDirectory(prefix="bench-gc-") as tmp:
         server = start_seaweed(Path(tmp) / "seaweed")
         try:
