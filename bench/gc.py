@@ -4,7 +4,7 @@ trace, a shared program) and unreferenced blobs, at least 100,000 objects; then 
 pinned; the collector's clock is set 40 days ahead, so the other half are unused for 40 days
 and `--unused-days 30` takes them. Goal: each pass over 100,000 objects in under 60 s.
 
-    .venv/bin/python bench/gc.py [--units 22000] [--orphans 10000]
+    .venv/bin/python bench/gc.py [--units 23000] [--orphans 10000]
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def timed(what: str, objects: int, fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--units", type=int, default=22000)
+    ap.add_argument("--units", type=int, default=23000)
     ap.add_argument("--orphans", type=int, default=10000)
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress as it goes, also into a file
