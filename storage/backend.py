@@ -27,6 +27,7 @@ class ObjectInfo:
     path: str
     size: int
     mtime: float
+    etag: str | None = None  # S3's tag of the content (a touch keeps it); None on a local store
 
 
 class Backend(Protocol):

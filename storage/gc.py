@@ -23,6 +23,8 @@ Races, and how each is closed:
 """
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 import re
 from collections import Counter, defaultdict
@@ -30,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from storage.backend import ObjectInfo
+from storage.backend import ObjectInfo, StoreError
 from storage.pins import pins
 from storage.store import Store
 
@@ -40,7 +42,7 @@ DAY_S = 86400.0
 DIGEST = re.compile(r"[0-9a-f]{64}")
 READERS = 32  # documents read at once (a listing of 100,000 objects holds thousands)
 STAT_AT_MOST = 8  # a shard with more objects to delete is listed again instead of stat'ed object by object
-KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "other")
+KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "gc", "other")
 
 
 @dataclass(frozen=True)
@@ -155,22 +157,87 @@ def _job_digests(store: Store, files: list[ObjectInfo]) -> set[str]:
     return found
 
 
+@dataclass(frozen=True)
+class UnitFacts:
+    """What the mark phase needs of a manifest (from the manifest, or from the index)."""
+
+    target: str
+    blobs: dict[str, str]  # role -> digest
+    refs: frozenset[str]  # every digest it names (conservative: digests_in)
+
+    @classmethod
+    def of(cls, doc: dict[str, Any]) -> "UnitFacts":
+        blobs = {str(role): str(ref["digest"]) for role, ref in (doc.get("blobs") or {}).items()
+                 if isinstance(ref, dict) and isinstance(ref.get("digest"), str)}
+        return cls(str(doc.get("target", "unknown")), blobs, frozenset(digests_in(doc)))
+
+
+class ManifestIndex:
+    """The collector's cache of what each manifest refers to, kept in the store by S3 ETag (the
+    content's tag, which a touch keeps): a pass reads only the manifests published or replaced
+    since the last one, instead of one GET per unit. A lost or damaged index only costs reads; a
+    forged one could only make the collector delete blobs a manifest still names, which readers
+    then treat as an incomplete unit (compiled again, never a broken hit)."""
+
+    PATH = "gc/manifest-refs.json.gz"
+
+    def __init__(self, store: Store):
+        self.store = store
+        try:
+            data = store.backend.read(self.PATH)
+            entries = json.loads(gzip.decompress(data)) if data is not None else {}
+        except (OSError, ValueError, EOFError) as e:
+            log.warning("gc: the manifest index in %s is unreadable (%s); reading every manifest", store.uri, e)
+            entries = {}
+        self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
+
+    def get(self, key: str, etag: str | None) -> UnitFacts | None:
+        e = self.entries.get(key)
+        try:
+            if etag and isinstance(e, dict) and e.get("e") == etag:
+                return UnitFacts(str(e["t"]), {str(r): str(d) for r, d in e["b"].items()}, frozenset(map(str, e["r"])))
+        except (KeyError, TypeError, AttributeError):
+            pass
+        return None
+
+    def save(self, facts: dict[str, UnitFacts], etags: dict[str, str | None]) -> None:
+        entries = {k: {"e": etags[k], "t": f.target, "b": f.blobs, "r": sorted(f.refs)}
+                   for k, f in facts.items() if etags.get(k)}
+        if entries == self.entries or not entries and not self.entries:
+            return
+        try:
+            self.store.backend.write(self.PATH, gzip.compress(json.dumps(entries, separators=(",", ":")).encode(), 6))
+            self.entries = entries
+        except StoreError as e:  # a cache: the next pass reads the manifests again
+            log.warning("gc: the manifest index was not saved to %s (%s)", self.store.uri, e)
+
+
 class Snapshot:
-    """The store as the mark phase sees it: one listing, every manifest and pin read once. A plan
-    for any policy comes from it (`farm du` asks several)."""
+    """The store as the mark phase sees it: one listing, every manifest (or its index entry) and
+    pin read once. A plan for any policy comes from it (`farm du` asks several)."""
 
     def __init__(self, store: Store, now: float):
         self.store, self.now = store, now
         self.listing = _Listing(list(store.backend.list_info("")))
         self.pins = pins(store)
-        manifests = _read_all(store, [f"units/{k}.json" for k in self.listing.units])
-        self.manifests = {k: manifests[f"units/{k}.json"] or {} for k in self.listing.units}
-        self.refs = {k: set(digests_in(doc)) for k, doc in self.manifests.items()}
+        self.index = ManifestIndex(store)
+        units = self.listing.units
+        self.facts = {k: f for k in units if (f := self.index.get(k, units[k].etag)) is not None}
+        unread = [f"units/{k}.json" for k in units if k not in self.facts]
+        self.manifests_read = len(unread)
+        for path, doc in _read_all(store, unread).items():
+            self.facts[path[len("units/"):-len(".json")]] = UnitFacts.of(doc or {})
+        self.refs = {k: set(f.refs) for k, f in self.facts.items()}
         self.history_jobs = _history_jobs(store) if self.listing.jobs else set()
         docs = _read_all(store, [i.path for k in ("tuning", "pins") for i in self.listing.by_kind.get(k, [])
                                  if i.path.endswith(".json")])
         self.fixed_refs = {d for doc in docs.values() for d in digests_in(doc or {})}  # tuning records, pins
         self._job_refs: dict[str, set[str]] = {}
+
+    def save_index(self, gone: frozenset[str] | set[str] = frozenset()) -> None:
+        """Keep what this pass learned of the manifests that remain, for the next pass."""
+        self.index.save({k: f for k, f in self.facts.items() if k not in gone},
+                        {k: i.etag for k, i in self.listing.units.items()})
 
     def job_refs(self, job: str) -> set[str]:
         if job not in self._job_refs:
@@ -257,6 +324,7 @@ class Collector:
         chosen = plan(snap, self.policy)
         listing = snap.listing
         gone_units = self._delete(listing.units, chosen.units, "units")
+        snap.save_index(set() if self.policy.dry_run else gone_units)
         self._delete_groups(listing.jobs, chosen.jobs, "jobs")
         # a manifest spared at the last moment keeps its blobs
         spared = chosen.units - gone_units

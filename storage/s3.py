@@ -151,7 +151,7 @@ class S3Backend:
 
         def every_page() -> list[ObjectInfo]:  # listed whole, so an attempt again starts from the first page
             pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-            return [ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"].timestamp())
+            return [ObjectInfo(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"].timestamp(), obj.get("ETag"))
                     for page in pages for obj in page.get("Contents", [])]
 
         yield from self._call("list", prefix, every_page)
@@ -159,7 +159,7 @@ class S3Backend:
     def stat(self, path: str) -> ObjectInfo | None:
         def head() -> ObjectInfo:
             got = self._client.head_object(Bucket=self.bucket, Key=self._key(path))
-            return ObjectInfo(path, int(got["ContentLength"]), got["LastModified"].timestamp())
+            return ObjectInfo(path, int(got["ContentLength"]), got["LastModified"].timestamp(), got.get("ETag"))
 
         return self._call("stat", path, head, missing=None)
 

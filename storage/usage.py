@@ -52,11 +52,9 @@ def usage(store: Store, grace_s: float = DAY_S) -> Usage:
     blobs = {blob_digest(i.path): i for i in listing.by_kind["blobs"]}
     kind_of_blob: dict[str, str] = {}
     for key, info in listing.units.items():
-        doc = snap.manifests[key]
-        target = str(doc.get("target", "unknown"))
+        target = snap.facts[key].target
         own = info.size
-        for role, ref in (doc.get("blobs") or {}).items():
-            digest = ref.get("digest") if isinstance(ref, dict) else None
+        for role, digest in snap.facts[key].blobs.items():
             if digest in blobs:
                 kind_of_blob.setdefault(digest, _blob_kind(role, target))
                 if role != "program":  # a program is shared by every target of its graph
@@ -72,9 +70,10 @@ def usage(store: Store, grace_s: float = DAY_S) -> Usage:
         if kind == "blobs":
             continue
         for info in infos:
-            u.by_kind["manifests" if kind == "units" else "identities" if kind == "programs" else kind].add(info.size)
+            u.by_kind[{"units": "manifests", "programs": "identities", "gc": "gc index"}.get(kind, kind)].add(info.size)
     u.bytes = sum(t.bytes for t in u.by_kind.values())
     u.pinned_units = len({k for p in snap.pins for k in p.keys})
+    snap.save_index()  # the collector's cache (storage/gc.py ManifestIndex): the next pass reads less
     for days in WHAT_IF_DAYS:
         chosen = plan(snap, Policy(unused_days=days, grace_s=grace_s))
         u.gc_frees[days] = (sum(listing.units[k].size for k in chosen.units)

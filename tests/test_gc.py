@@ -167,3 +167,20 @@ def test_policy_and_pin_names_are_checked(store):
         pin(store, ["a" * 64], label="../escape")
     with pytest.raises(ValueError, match="only published units"):
         pin(store, ["a" * 64])
+
+
+def test_on_s3_a_pass_reads_only_the_manifests_published_since_the_last(s3_uri):
+    """The collector's index (by S3 ETag, which a touch keeps) spares it a GET per unit."""
+    s3 = store_from_uri(s3_uri)
+    for i in range(3):
+        s3.publish_manifest(str(i) * 64, {"key": str(i) * 64, "target": "core-aten",
+                                          "blobs": {"artifact": s3.put_bytes(f"artifact {i}".encode()).to_dict()}})
+    assert Snapshot(s3, time.time()).manifests_read == 3
+    collect(s3, Policy(dry_run=True))  # a pass keeps what it read
+    assert Snapshot(s3, time.time()).manifests_read == 0
+    s3.note_use("0" * 64, s3.get_manifest("0" * 64))  # a use touches: same content, same ETag
+    s3.publish_manifest("9" * 64, {"key": "9" * 64, "blobs": {"artifact": s3.put_bytes(b"new").to_dict()}})
+    snap = Snapshot(s3, time.time())
+    assert snap.manifests_read == 1 and snap.facts["0" * 64].blobs["artifact"] in snap.refs["0" * 64]
+    collect(s3, Policy(unused_days=0, grace_s=0))  # everything goes, the index follows
+    assert list(s3.manifest_keys()) == [] and Snapshot(s3, time.time()).index.entries == {}

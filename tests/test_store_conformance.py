@@ -118,6 +118,7 @@ def test_listing_and_stat_give_sizes_and_mtimes_and_touch_renews_only_the_mtime(
     assert store.backend.touch(path)
     after = store.backend.stat(path)
     assert after.mtime > before.mtime and store.get_bytes(ref.digest) == b"an artifact"
+    assert after.etag == before.etag == listed[path].etag  # the content's tag: the collector's index holds
     assert not store.backend.touch(blob_path("e" * 64)) and store.backend.stat(blob_path("e" * 64)) is None
 
 
