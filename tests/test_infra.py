@@ -61,3 +61,29 @@ def test_worker_images_install_the_pinned_torch_first_and_the_project():
         torch_at, project_at = text.index("torch==2.13.0"), text.index(f'"{extra}"')
         assert torch_at < project_at, name  # an unpinned torch would pull the wrong build
         assert "USER farm" in text and "TORCHINDUCTOR_CACHE_DIR" in text
+
+
+def test_a_nightly_gc_rayjob_collects_the_s3_store_and_a_cronjob_starts_it():
+    (job,) = _docs("rayjob-gc.yaml")
+    assert job["kind"] == "RayJob" and job["spec"]["clusterSelector"] == {"ray.io/cluster": "farm"}
+    entry = job["spec"]["entrypoint"].split()
+    assert entry[:2] == ["farm", "gc"] and entry[entry.index("--store") + 1].startswith("s3://")
+    assert float(entry[entry.index("--unused-days") + 1]) >= 1 and "--metrics" in entry
+    assert job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "farm-s3"}}]
+    (cron,) = _docs("cronjob-gc.yaml")
+    assert cron["kind"] == "CronJob" and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    (starter,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert starter["command"][:3] == ["kubectl", "create", "-f"] and starter["command"][3].endswith("rayjob-gc.yaml")
+    nightly_hour = int(_docs("cronjob-nightly.yaml")[0]["spec"]["schedule"].split()[1])
+    assert int(cron["spec"]["schedule"].split()[1]) > nightly_hour  # after the nightly run
+
+
+def test_the_bucket_lifecycle_rules_abort_incomplete_uploads_and_expire_only_by_last_use():
+    rules = {name: json.loads((INFRA / "s3" / name).read_text())["Rules"]
+             for name in ("lifecycle.json", "lifecycle-without-collector.json")}
+    for name, listed in rules.items():
+        assert any(r.get("AbortIncompleteMultipartUpload", {}).get("DaysAfterInitiation") == 1 for r in listed), name
+    expire = {r["Filter"]["Prefix"]: r["Expiration"]["Days"] for r in rules["lifecycle-without-collector.json"]
+              if "Expiration" in r}
+    assert expire["zoo/blobs/"] > expire["zoo/units/"]  # a unit's manifest goes before its blobs
+    assert not [r for r in rules["lifecycle.json"] if r["Filter"]["Prefix"].endswith(("units/", "blobs/"))]
