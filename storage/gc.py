@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 DAY_S = 86400.0
 DIGEST = re.compile(r"[0-9a-f]{64}")
 READERS = 32  # documents read at once (a listing of 100,000 objects holds thousands)
+DELETERS = 8  # shards re-read and deleted at once
 STAT_AT_MOST = 8  # a shard with more objects to delete is listed again instead of stat'ed object by object
 KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "gc", "other")
 
@@ -132,11 +133,13 @@ def _read_all(store: Store, paths: list[str]) -> dict[str, dict[str, Any] | None
 
 def _history_jobs(store: Store) -> set[str] | None:
     """Job ids the nightly history refers to; None when it cannot be read (then every job record stays)."""
+    import pyarrow as pa
+
     from storage.history import read_history
 
     try:
         table = read_history(store)
-    except Exception as e:  # a damaged history must not cost the records it names
+    except (pa.ArrowException, OSError, ValueError) as e:  # a damaged history must not cost the records it names
         log.warning("gc: the nightly history in %s could not be read (%s); keeping every job record", store.uri, e)
         return None
     return {j for j in table.column("job_id").to_pylist() if j} if "job_id" in table.column_names else set()
@@ -144,13 +147,19 @@ def _history_jobs(store: Store) -> set[str] | None:
 
 def _job_digests(store: Store, files: list[ObjectInfo]) -> set[str]:
     """Blobs a job record refers to: its results table's digests and any its JSON files name."""
+    import pyarrow as pa
+
     from storage.results import read_results
 
     found: set[str] = set()
     for info in files:
         name = info.path.rsplit("/", 1)[-1]
         if name == "results.parquet":
-            rows = read_results(store, info.path.split("/")[1]) or []
+            try:
+                rows = read_results(store, info.path.split("/")[1]) or []
+            except (pa.ArrowException, OSError, ValueError) as e:  # its references unknown: collect nothing
+                raise StoreError(f"{store.uri}/{info.path} is unreadable ({e}); nothing was deleted. Delete that job "
+                                 "record (or restore it), then run gc again") from e
             found |= {r[c] for r in rows for c in ("artifact_digest", "log_digest", "trace_digest") if r.get(c)}
         elif name.endswith(".json"):
             found |= set(digests_in(store.read_unchecked(info.path)))
@@ -342,32 +351,34 @@ class Collector:
     def _delete(self, infos: dict[str, ObjectInfo], chosen: set[str], kind: str) -> set[str]:
         """Delete the chosen objects shard by shard (`units/ab`, `blobs/sha256/ab/`), reading the
         shard's mtimes again just before its delete: one a use or a publisher touched since the
-        listing stays. Returns the names deleted."""
-        gone: set[str] = set()
+        listing stays. Shards go several at once (a server deletes objects one by one). Returns
+        the names deleted."""
         for name, info in infos.items():
             if name not in chosen:
                 self.report.kept[kind].add(info.size)
         shards: dict[str, list[str]] = defaultdict(list)
         for name in chosen:
             path = infos[name].path
-            cut = path.rfind("/") + 1
-            shards[path[:cut + 2]].append(name)
-        for prefix, names in sorted(shards.items()):
+            shards[path[:path.rfind("/") + 3]].append(name)
+
+        def shard(prefix: str) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
+            names = shards[prefix]
             now = {n: infos[n] for n in names} if self.policy.dry_run else self._now(prefix, [infos[n] for n in names])
-            go = []
-            for name in names:
-                info = now.get(name)
-                if info is None:
-                    continue  # already gone (another collector, a person)
-                if info.mtime > infos[name].mtime:
+            fresh = [now[n] for n in names if n in now]  # one gone already: another collector, a person
+            go = [i for i in fresh if i.mtime <= infos[blob_digest(i.path).removesuffix(".json")].mtime]
+            if go and not self.policy.dry_run:
+                self.store.backend.delete_many([i.path for i in go])
+            return go, [i for i in fresh if i not in go]
+
+        gone: set[str] = set()
+        with ThreadPoolExecutor(DELETERS) as pool:
+            for go, spared in pool.map(shard, sorted(shards)):
+                for info in go:
+                    gone.add(blob_digest(info.path).removesuffix(".json"))
+                    self.report.deleted[kind].add(info.size)
+                for info in spared:
                     self.report.spared += 1
                     self.report.kept[kind].add(info.size)
-                    continue
-                go.append(info.path)
-                gone.add(name)
-                self.report.deleted[kind].add(info.size)
-            if go and not self.policy.dry_run:
-                self.store.backend.delete_many(go)
         return gone
 
     def _now(self, prefix: str, listed: list[ObjectInfo]) -> dict[str, ObjectInfo]:

@@ -138,7 +138,7 @@ class Store:
     def _kept(self, ref: BlobRef) -> bool:
         """Whether the blob is in the store already, made young so that a collector leaves it to
         the caller, who is about to rely on it (race: a collector that read its age before this
-        touch and deletes after it; storage/gc.py re-reads ages in small batches to keep that
+        touch and deletes after it; storage/gc.py re-reads mtimes shard by shard to keep that
         window short, and a manifest published into it is incomplete, so readers call it a miss)."""
         return self.has_blob(ref) and self.backend.touch(blob_path(ref.digest))
 
