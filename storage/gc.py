@@ -321,7 +321,7 @@ def _to_fit(snap: Snapshot, policy: Policy, doomed: set[str], doomed_jobs: set[s
 
 
 class Collector:
-    """Carries out a plan: deletes in batches, reading ages again just before each batch."""
+    """Carries out a plan: deletes shard by shard, reading mtimes again just before each shard."""
 
     def __init__(self, store: Store, policy: Policy):
         self.store, self.policy = store, policy
