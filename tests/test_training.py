@@ -82,18 +82,19 @@ with kernels.counting_builds() as built:
         opt.zero_grad()
 model.load_state_dict(eager.state_dict())  # a checkpoint, by the model's own names
 print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]), "builds": built,
-                  "ok": report.ok, "problems": report.problems, "checked": report.checked,
+                  "misses": getattr(model, "farm_bundle_misses", None), "ok": report.ok, "problems": report.problems, "checked": report.checked,
                   "names": [n for n, _ in model.named_parameters()], "eager_names": [n for n, _ in eager.named_parameters()]}))
 """
 
 
 def train_in_fresh_process(program: Path, store: Path, target: str, tmp_path: Path, extra_sizes: int = 2,
-                           threads: int = 1) -> dict:
+                           threads: int = 1, prelude: str = "") -> dict:
     """TRAIN_SCRIPT's report, run where Inductor's and Triton's caches are empty (a machine that never compiled it),
-    on `threads` threads (by default another count than the farm's worker: a rank's share of a bigger host)."""
+    on `threads` threads (by default another count than the farm's worker: a rank's share of a bigger host),
+    after the script's own lines `prelude`."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(program), str(store), target, str(extra_sizes)], env=env,
+    proc = subprocess.run([sys.executable, "-c", prelude + TRAIN_SCRIPT, str(program), str(store), target, str(extra_sizes)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -104,12 +105,25 @@ def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_d
     got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path)
     shipped = sorted(m.name for m in tarfile.open(store.fetch(r.artifact.digest, tmp_path / "bundle.tar")).getmembers())
     # no kernel compiled: the bundle's binaries were used
-    assert got["builds"] == [], {"shipped": shipped, "inductor": got["inductor"], "aot": got["aot"]}
+    assert got["builds"] == [], {"misses": got["misses"], "shipped": shipped, "inductor": got["inductor"], "aot": got["aot"]}
+    assert got["misses"] == []
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["inductor"].get("fxgraph_cache_hit", 0) >= 2
     assert got["aot"].get("autograd_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_hit", 0) >= 1
     assert got["ok"], got["problems"]
     assert len(got["checked"]) >= 2  # the example size and another inside the dynamic range
     assert got["names"] == got["eager_names"]  # no _orig_mod. prefix: checkpoints and optimizers just work
+
+
+def test_a_process_that_misses_the_bundle_says_which_setting_differs(trained, zoo_dir, tmp_path):
+    d, _, _ = trained
+    # a setting the pin leaves alone, changed in the training script: part of every graph's key
+    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path,
+                                 prelude="import torch._inductor.config\ntorch._inductor.config.size_asserts = False\n")
+    assert got["builds"] and got["aot"].get("autograd_cache_miss", 0) >= 1  # it compiled
+    assert len(got["misses"]) == got["aot"]["autograd_cache_miss"], got["misses"]
+    for why in got["misses"]:
+        assert why.endswith("differs from the closest key the bundle was built with in: inductor_config[size_asserts]"), why
+    assert got["ok"], got["problems"]
 
 
 def test_a_fresh_process_trains_from_the_precompiled_function_without_compiling(both, zoo_dir, tmp_path):

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from workers.backends import cpu_isa, kernels
+from workers.backends import cache_keys, cpu_isa, kernels
 from workers.backends.base import LoweringError
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 # This setting is part of Inductor's cache key, so producer and consumer both set it.
 TRAIN_CONFIGS = {"cpp_cache_precompile_headers": False}
 FORMAT = "farm-training-bundle"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,16 +54,34 @@ class Pin:
             yield
 
 
-def trainable(module: torch.nn.Module, pin: Pin) -> torch.nn.Module:
+def trainable(module: torch.nn.Module, pin: Pin, shipped_keys: dict[str, cache_keys.Parts] | None = None) -> torch.nn.Module:
     """`module`, compiled in place, each call under the pin (Module.__call__ runs
     `_compiled_call_impl` when set: wrapping it is the one way to hold the pin around the
-    compiled call while the module keeps its own names)."""
+    compiled call while the module keeps its own names).
+
+    `shipped_keys` (a loaded bundle's): a call that compiles a graph the bundle should have held
+    says why it missed, in a warning and in the module's `farm_bundle_misses`."""
+    import torch
+
     module.compile()
     compiled_call = module._compiled_call_impl
+    module.farm_bundle_misses = []
+    aot = torch._dynamo.utils.counters["aot_autograd"]
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with pin.held():
-            return compiled_call(*args, **kwargs)
+        if shipped_keys is None:
+            with pin.held():
+                return compiled_call(*args, **kwargs)
+        missed = aot["autograd_cache_miss"]
+        with pin.held(), cache_keys.recording() as seen:
+            out = compiled_call(*args, **kwargs)
+        if aot["autograd_cache_miss"] > missed:
+            new = [k for k in seen if k not in shipped_keys] or list(seen)  # a key the bundle has may have hit
+            for key in new:
+                why = cache_keys.why_missed(key, seen[key], shipped_keys)
+                module.farm_bundle_misses.append(why)
+                log.warning("this process compiled a graph the farm's training bundle should have held: %s", why)
+        return out
 
     module._compiled_call_impl = call
     return module
@@ -97,7 +117,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
     module = trainable(ep.module(), pin)
     torch._dynamo.utils.counters.clear()
     sets = input_sets(ep)
-    with kernels.capturing() as loaded, pin.held():
+    with kernels.capturing() as loaded, pin.held(), cache_keys.recording() as keys:
         for inputs in sets:
             mark_dynamic(ep, inputs.args, marks)
             step(module)(*inputs.args, **inputs.kwargs)
@@ -120,6 +140,8 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
         "triton_kernels": int(inductor["triton_bundler_save_kernel"] + inductor["triton_bundler_read_and_emit_kernel"]),
         # how verification made random draws comparable (workers/sandbox/steps.py refuses otherwise)
         "randomness": {"ops": random_ops(ep), "verified_with": "fallback_random" if pin.configs.get("fallback_random") else None},
+        # each AOTAutograd key's parts: a consumer that misses names the parts it differs in
+        "cache_keys": keys,
     }
     out = workdir / "training-bundle.tar"
     kernels.pack(out, {"bundle.bin": saved[0]}, binaries, facts)
@@ -163,7 +185,8 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[
     unpacked = installed(artifact, pin, host_problem)
     if "bundle.bin" not in unpacked.parts or torch.compiler.load_cache_artifacts(unpacked.parts["bundle.bin"]) is None:
         raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
-    return trainable(ep.module(), pin)
+    recorded = unpacked.facts.get("cache_keys")
+    return trainable(ep.module(), pin, recorded if isinstance(recorded, dict) else {})
 
 
 def shipped(artifact: Path) -> tuple[dict[str, Any], int]:

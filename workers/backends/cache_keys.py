@@ -1,0 +1,82 @@
+"""What AOTAutograd's cache keys are made of, part by part, so that a process that misses a
+shipped bundle can say why instead of compiling in silence.
+
+AOTAutograd hashes every part of a graph's key (the graph, its inputs' metadata, each Inductor
+and autograd setting, torch's sources) and logs each part's hash at DEBUG. The producer keeps
+those hashes beside the bundle; a consumer that computes a key the bundle lacks compares its
+own parts with the closest recorded key and names the parts that differ.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from typing import Iterator
+
+LOGGER = "torch._functorch._aot_autograd.autograd_cache"
+_PART = re.compile(r"\[(\w+)\] ([^:\n]+): ")
+HASH_CHARS = 12  # enough to tell two parts apart; keeps a bundle's record small
+
+Parts = dict[str, str]  # part name (`inductor_config[cpp.march]`, `gm`, ...) -> its hash
+
+
+def parts(details: str) -> Parts:
+    """The parts of one key from AOTAutograd's debug lines (continuation lines of a multi-line
+    value, the graph's code for one, are skipped: its first line carries the part's hash)."""
+    found: Parts = {}
+    for line in details.splitlines():
+        m = _PART.match(line)
+        if m:
+            found[m.group(2)] = m.group(1)[:HASH_CHARS]
+    return found
+
+
+class _Recorder(logging.Handler):
+    def __init__(self, keys: dict[str, Parts]) -> None:
+        super().__init__(logging.DEBUG)
+        self.keys = keys
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("Autograd graph cache hash details") and isinstance(record.args, tuple) \
+                and len(record.args) == 2:
+            key, details = record.args
+            self.keys[str(key)] = parts(str(details))
+
+
+@contextlib.contextmanager
+def recording(keys: dict[str, Parts] | None = None) -> Iterator[dict[str, Parts]]:
+    """Collect, into `keys`, the parts of every AOTAutograd key computed inside (only a compile
+    computes one: a call that compiles nothing costs a level check). The DEBUG records stay
+    here unless this logger was already at DEBUG (someone asked to see them)."""
+    keys = {} if keys is None else keys
+    logger = logging.getLogger(LOGGER)
+    handler = _Recorder(keys)
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    if not logger.isEnabledFor(logging.DEBUG):
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+    try:
+        yield keys
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def why_missed(key: str, seen: Parts, recorded: dict[str, Parts]) -> str:
+    """Why the key this process computed found nothing in the bundle: the parts where it differs
+    from the closest key the bundle was built with, or that the key was there (so the entry itself
+    was refused: its shape guards, or an FX graph it names is missing)."""
+    if key in recorded:
+        return f"key {key[:16]}… is in the bundle, but its entry was refused (its shape guards, or a graph it names is missing)"
+    if not recorded:
+        return f"key {key[:16]}… is not in the bundle, which records no keys (built by an older farm)"
+
+    def differing(other: Parts) -> list[str]:
+        return sorted(n for n in set(seen) | set(other) if seen.get(n) != other.get(n))
+
+    closest = min(recorded.values(), key=lambda other: len(differing(other)))
+    names = differing(closest)
+    shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    return f"key {key[:16]}… is not in the bundle; it differs from the closest key the bundle was built with in: {shown}"
