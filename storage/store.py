@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 DEFAULT_REFRESH_AGE_S = 86400.0  # a day: a hot unit costs its store one touch a day, not one per hit
 
 
+# How long a blob this process just wrote or touched counts as young without asking the store:
+# far below any sane grace period (a day by default; storage/gc.py), which covers the rest.
+RECENT_S = 2.0
+
+
 def refresh_age_s() -> float:
     """How old a unit's last-use mark may get before a use renews it (FARM_REFRESH_AGE_S)."""
     given = os.environ.get("FARM_REFRESH_AGE_S", "")
@@ -114,6 +119,7 @@ class Store:
         self.clock = time.time  # the last-use rule's clock (a fake one in tests)
         self.refresh_age_s = refresh_age_s()
         self._used: dict[str, float] = {}  # key -> when this process last looked at its last-use mark
+        self._made_young: dict[str, float] = {}  # digest -> when (monotonic) this process last uploaded or touched it
 
     @property
     def uri(self) -> str:
@@ -125,6 +131,7 @@ class Store:
         if not self._kept(ref):
             self.backend.write(blob_path(ref.digest), data)
             self.transfer.uploaded += ref.size
+            self._made_young[ref.digest] = time.monotonic()
         return ref
 
     def put_file(self, src: Path) -> BlobRef:
@@ -133,6 +140,7 @@ class Store:
         if not self._kept(ref):
             self.backend.upload_file(blob_path(ref.digest), src)
             self.transfer.uploaded += ref.size
+            self._made_young[ref.digest] = time.monotonic()
         return ref
 
     def _kept(self, ref: BlobRef) -> bool:
@@ -140,7 +148,16 @@ class Store:
         the caller, who is about to rely on it (race: a collector that read its age before this
         touch and deletes after it; storage/gc.py re-reads mtimes shard by shard to keep that
         window short, and a manifest published into it is incomplete, so readers call it a miss)."""
-        return self.has_blob(ref) and self.backend.touch(blob_path(ref.digest))
+        if not (self.has_blob(ref) and self.backend.touch(blob_path(ref.digest))):
+            return False
+        self._made_young[ref.digest] = time.monotonic()
+        return True
+
+    def _young(self, ref: BlobRef) -> bool:
+        """`_kept`, but a blob this process uploaded or touched within the last RECENT_S counts as
+        young without asking: a publish right after its uploads does not copy each artifact onto
+        itself again (S3's touch)."""
+        return time.monotonic() - self._made_young.get(ref.digest, float("-inf")) < RECENT_S or self._kept(ref)
 
     def has_blob(self, ref: BlobRef) -> bool:
         return self.backend.size(blob_path(ref.digest)) == ref.size
@@ -223,7 +240,7 @@ class Store:
 
     def _check_blobs(self, key: str, manifest: dict[str, Any]) -> None:
         for role, ref in manifest.get("blobs", {}).items():
-            if ref is not None and not self._kept(BlobRef.from_dict(ref)):
+            if ref is not None and not self._young(BlobRef.from_dict(ref)):
                 raise StoreError(f"refusing to publish {key}: its {role} blob {ref['digest']} is not in {self.uri}")
 
     def missing_blobs(self, manifest: dict[str, Any]) -> list[str]:

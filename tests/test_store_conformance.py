@@ -153,6 +153,21 @@ def test_a_use_renews_last_use_once_per_refresh_age(store):
     assert store.get_manifest("k") == manifest and store.get_bytes(ref.digest) == b"artifact bytes"
 
 
+def test_a_publish_right_after_its_uploads_copies_nothing_again_and_an_older_blob_is_made_young(store):
+    """Publishing checks that every blob is there and young; one this process has just uploaded
+    is not touched again (on S3 a touch is a copy of the whole artifact onto itself)."""
+    old = store.put_bytes(b"a program uploaded by an earlier job")
+    touched = []
+    real_touch = store.backend.touch
+    store.backend.touch = lambda p: touched.append(p) or real_touch(p)
+    later = Store(store.backend, store.trust)  # the process that compiles, not the one that uploaded the program
+    artifact, log = later.put_bytes(b"fresh artifact"), later.put_bytes(b"fresh log")
+    manifest = {"key": "k4", "blobs": {"artifact": artifact.to_dict(), "log": log.to_dict(), "program": old.to_dict()}}
+    assert later.publish_manifest("k4", manifest)
+    assert touched == [blob_path(old.digest)]  # the blob it did not write, once
+    assert later.complete_manifest("k4") == (manifest, None)
+
+
 def test_a_manifest_whose_blob_is_gone_is_not_served_and_is_replaced_on_publish(store):
     ref, log = store.put_bytes(b"artifact"), store.put_bytes(b"log")
     first = {"key": "k3", "blobs": {"artifact": ref.to_dict(), "log": log.to_dict()}, "n": 1}
