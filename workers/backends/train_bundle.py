@@ -185,8 +185,9 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[
     unpacked = installed(artifact, pin, host_problem)
     if "bundle.bin" not in unpacked.parts or torch.compiler.load_cache_artifacts(unpacked.parts["bundle.bin"]) is None:
         raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
-    recorded = unpacked.facts.get("cache_keys")
-    return trainable(ep.module(), pin, recorded if isinstance(recorded, dict) else {})
+    recorded = unpacked.facts.get("cache_keys")  # read from the store: only well-formed entries count
+    keys = {k: v for k, v in recorded.items() if isinstance(v, dict)} if isinstance(recorded, dict) else {}
+    return trainable(ep.module(), pin, keys)
 
 
 def shipped(artifact: Path) -> tuple[dict[str, Any], int]:
