@@ -234,6 +234,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
     write_results(store, outcome.job_id, rows)
+    store.flush_journal()  # what this process published, for the collector (storage/unit_refs.py)
     outcome.stats = JobStats.from_rows(rows)
     write_stats(store, outcome.job_id, outcome.stats)
     store.put_job_file(outcome.job_id, KEYS_FILE, json.dumps(_keys(outcome.results), indent=1).encode())

@@ -26,20 +26,19 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import re
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from storage.backend import ObjectInfo, StoreError
 from storage.pins import pins
 from storage.store import Store
+from storage.unit_refs import PREFIX as JOURNAL, UnitFacts, digests_in, read_journal
 
 log = logging.getLogger(__name__)
 
 DAY_S = 86400.0
-DIGEST = re.compile(r"[0-9a-f]{64}")
 READERS = 32  # documents read at once (a listing of 100,000 objects holds thousands)
 DELETERS = 8  # shards re-read and deleted at once
 STAT_AT_MOST = 8  # a shard with more objects to delete is listed again instead of stat'ed object by object
@@ -89,19 +88,6 @@ class Report:
 def kind_of(path: str) -> str:
     top = path.split("/", 1)[0]
     return top if top in KINDS else "other"
-
-
-def digests_in(value: Any) -> Iterable[str]:
-    """Every sha256 named anywhere in a JSON value: conservative, so more is kept, never less."""
-    if isinstance(value, str):
-        if DIGEST.fullmatch(value):
-            yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from digests_in(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from digests_in(v)
 
 
 def blob_digest(path: str) -> str:
@@ -166,21 +152,6 @@ def _job_digests(store: Store, files: list[ObjectInfo]) -> set[str]:
     return found
 
 
-@dataclass(frozen=True)
-class UnitFacts:
-    """What the mark phase needs of a manifest (from the manifest, or from the index)."""
-
-    target: str
-    blobs: dict[str, str]  # role -> digest
-    refs: frozenset[str]  # every digest it names (conservative: digests_in)
-
-    @classmethod
-    def of(cls, doc: dict[str, Any]) -> "UnitFacts":
-        blobs = {str(role): str(ref["digest"]) for role, ref in (doc.get("blobs") or {}).items()
-                 if isinstance(ref, dict) and isinstance(ref.get("digest"), str)}
-        return cls(str(doc.get("target", "unknown")), blobs, frozenset(digests_in(doc)))
-
-
 class ManifestIndex:
     """The collector's cache of what each manifest refers to, kept in the store by S3 ETag (the
     content's tag, which a touch keeps): a pass reads only the manifests published or replaced
@@ -201,29 +172,25 @@ class ManifestIndex:
         self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
 
     def get(self, key: str, etag: str | None) -> UnitFacts | None:
-        e = self.entries.get(key)
-        try:
-            if etag and isinstance(e, dict) and e.get("e") == etag:
-                return UnitFacts(str(e["t"]), {str(r): str(d) for r, d in e["b"].items()}, frozenset(map(str, e["r"])))
-        except (KeyError, TypeError, AttributeError):
-            pass
-        return None
+        return UnitFacts.from_entry(self.entries.get(key), etag)
 
-    def save(self, facts: dict[str, UnitFacts], etags: dict[str, str | None]) -> None:
-        entries = {k: {"e": etags[k], "t": f.target, "b": f.blobs, "r": sorted(f.refs)}
-                   for k, f in facts.items() if etags.get(k)}
+    def save(self, facts: dict[str, UnitFacts], etags: dict[str, str | None]) -> bool:
+        """Keep `facts` (by their manifests' listed ETags); True once the store holds them."""
+        entries = {k: f.entry(str(etags[k]).strip('"')) for k, f in facts.items() if etags.get(k)}
         if entries == self.entries or not entries and not self.entries:
-            return
+            return True
         try:
             self.store.backend.write(self.PATH, gzip.compress(json.dumps(entries, separators=(",", ":")).encode(), 6))
             self.entries = entries
+            return True
         except StoreError as e:  # a cache: the next pass reads the manifests again
             log.warning("gc: the manifest index was not saved to %s (%s)", self.store.uri, e)
+            return False
 
 
 class Snapshot:
-    """The store as the mark phase sees it: one listing, every manifest (or its index entry) and
-    pin read once. A plan for any policy comes from it (`farm du` asks several)."""
+    """The store as the mark phase sees it: one listing, every manifest (or its index entry, or
+    its publisher's journal entry: storage/unit_refs.py) and pin read once. A plan for any policy comes from it (`farm du` asks several)."""
 
     def __init__(self, store: Store, now: float):
         self.store, self.now = store, now
@@ -232,6 +199,12 @@ class Snapshot:
         self.index = ManifestIndex(store)
         units = self.listing.units
         self.facts = {k: f for k in units if (f := self.index.get(k, units[k].etag)) is not None}
+        # what publishers noted since (storage/unit_refs.py), taken where the content is the same
+        self.journals = [i.path for i in self.listing.by_kind["gc"] if i.path.startswith(JOURNAL)]
+        noted = read_journal(store.backend, self.journals) if self.journals else {}
+        for k in units.keys() - self.facts.keys():
+            if (f := UnitFacts.from_entry(noted.get(k), units[k].etag)) is not None:
+                self.facts[k] = f
         unread = [f"units/{k}.json" for k in units if k not in self.facts]
         self.manifests_read = len(unread)
         for path, doc in _read_all(store, unread).items():
@@ -243,10 +216,16 @@ class Snapshot:
         self.fixed_refs = {d for doc in docs.values() for d in digests_in(doc or {})}  # tuning records, pins
         self._job_refs: dict[str, set[str]] = {}
 
-    def save_index(self, gone: frozenset[str] | set[str] = frozenset()) -> None:
-        """Keep what this pass learned of the manifests that remain, for the next pass."""
-        self.index.save({k: f for k, f in self.facts.items() if k not in gone},
-                        {k: i.etag for k, i in self.listing.units.items()})
+    def save_index(self, gone: frozenset[str] | set[str] = frozenset(), fold_journal: bool = False) -> None:
+        """Keep what this pass learned of the manifests that remain, for the next pass; with
+        `fold_journal`, then delete the journal objects this pass read (the index holds them now)."""
+        saved = self.index.save({k: f for k, f in self.facts.items() if k not in gone},
+                                {k: i.etag for k, i in self.listing.units.items()})
+        if fold_journal and saved and self.journals:
+            try:
+                self.store.backend.delete_many(self.journals)
+            except StoreError as e:  # read again next pass
+                log.warning("gc: the publish journal in %s was not folded (%s)", self.store.uri, e)
 
     def job_refs(self, job: str) -> set[str]:
         if job not in self._job_refs:
@@ -333,7 +312,7 @@ class Collector:
         chosen = plan(snap, self.policy)
         listing = snap.listing
         gone_units = self._delete(listing.units, chosen.units, "units")
-        snap.save_index(set() if self.policy.dry_run else gone_units)
+        snap.save_index(set() if self.policy.dry_run else gone_units, fold_journal=not self.policy.dry_run)
         self._delete_groups(listing.jobs, chosen.jobs, "jobs")
         # a manifest spared at the last moment keeps its blobs
         spared = chosen.units - gone_units

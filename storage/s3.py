@@ -54,6 +54,8 @@ def _transient(e: Exception) -> bool:
 
 
 class S3Backend:
+    tags_content = True  # a single PUT's ETag is its content's MD5 (storage/unit_refs.py relies on it)
+
     def __init__(self, bucket: str, prefix: str = "", client=None):
         if not bucket:
             raise ValueError("an s3:// store URI needs a bucket: s3://BUCKET[/PREFIX]")

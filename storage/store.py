@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 from storage.backend import Backend, StoreError
 from storage.signing import Trust, UntrustedDocument
+from storage.unit_refs import PublishJournal
 
 _CHUNK = 1 << 20
 log = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ class Store:
         self.refresh_age_s = refresh_age_s()
         self._used: dict[str, float] = {}  # key -> when this process last looked at its last-use mark
         self._made_young: dict[str, float] = {}  # digest -> when (monotonic) this process last uploaded or touched it
+        # what this process publishes, told to the collector (storage/unit_refs.py); only where
+        # the listing's ETag is the content's MD5, which is how the collector checks an entry
+        self.journal = PublishJournal(backend) if getattr(backend, "tags_content", False) else None
 
     @property
     def uri(self) -> str:
@@ -192,8 +196,10 @@ class Store:
     # signed documents (storage/signing.py) -----------------------------------------
     def put_document(self, path: str, doc: dict[str, Any], if_absent: bool = False) -> bool:
         """Write a JSON document, signed when this process holds FARM_SIGNING_KEY."""
-        data = json.dumps(self.trust.seal(path, doc), indent=1, sort_keys=True).encode()
-        return self.backend.write(path, data, if_absent=if_absent)
+        return self.backend.write(path, self._sealed(path, doc), if_absent=if_absent)
+
+    def _sealed(self, path: str, doc: dict[str, Any]) -> bytes:
+        return json.dumps(self.trust.seal(path, doc), indent=1, sort_keys=True).encode()
 
     def get_document(self, path: str) -> dict[str, Any] | None:
         """A JSON document, or None; raises UntrustedDocument if signatures are required and its
@@ -225,7 +231,9 @@ class Store:
         Returns False if a complete manifest for key already exists (another writer won). One whose
         blobs are gone is worth nothing: it is replaced."""
         self._check_blobs(key, manifest)
-        if self.put_document(manifest_path(key), manifest, if_absent=True):
+        data = self._sealed(manifest_path(key), manifest)
+        if self.backend.write(manifest_path(key), data, if_absent=True):
+            self._journal(key, data, manifest)
             return True
         try:
             existing = self.get_manifest(key)
@@ -235,8 +243,19 @@ class Store:
             return False
         log.warning("%s: the published manifest names blobs that are gone (%s); replacing it", key,
                     ", ".join(self.missing_blobs(existing)))
-        self.put_document(manifest_path(key), manifest)
+        self.backend.write(manifest_path(key), data)
+        self._journal(key, data, manifest)
         return True
+
+    def _journal(self, key: str, data: bytes, manifest: dict[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.note(key, data, manifest)
+
+    def flush_journal(self) -> None:
+        """Write out what this process published for the collector now (it is also written every
+        few hundred publishes, half a minute after a publish, and at exit)."""
+        if self.journal is not None:
+            self.journal.flush()
 
     def _check_blobs(self, key: str, manifest: dict[str, Any]) -> None:
         for role, ref in manifest.get("blobs", {}).items():
@@ -283,7 +302,9 @@ class Store:
         """Overwrite a manifest: only for a decision the user asked to revisit (autotune retune).
         Its blobs must be in the store, as for publishing."""
         self._check_blobs(key, manifest)
-        self.put_document(manifest_path(key), manifest)
+        data = self._sealed(manifest_path(key), manifest)
+        self.backend.write(manifest_path(key), data)
+        self._journal(key, data, manifest)
 
     def get_manifest(self, key: str) -> dict[str, Any] | None:
         """The manifest of key, or None; raises UntrustedDocument when it fails the signature check."""

@@ -70,7 +70,7 @@ def usage(store: Store, grace_s: float = DAY_S) -> Usage:
         if kind == "blobs":
             continue
         for info in infos:
-            u.by_kind[{"units": "manifests", "programs": "identities", "gc": "gc index"}.get(kind, kind)].add(info.size)
+            u.by_kind[{"units": "manifests", "programs": "identities", "gc": "gc index and journal"}.get(kind, kind)].add(info.size)
     u.bytes = sum(t.bytes for t in u.by_kind.values())
     u.pinned_units = len({k for p in snap.pins for k in p.keys})
     snap.save_index()  # the collector's cache (storage/gc.py ManifestIndex): the next pass reads less

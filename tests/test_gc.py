@@ -175,7 +175,7 @@ def test_on_s3_a_pass_reads_only_the_manifests_published_since_the_last(s3_uri):
     for i in range(3):
         s3.publish_manifest(str(i) * 64, {"key": str(i) * 64, "target": "core-aten",
                                           "blobs": {"artifact": s3.put_bytes(f"artifact {i}".encode()).to_dict()}})
-    assert Snapshot(s3, time.time()).manifests_read == 3
+    assert Snapshot(s3, time.time()).manifests_read == 3  # this process has not written its journal yet
     collect(s3, Policy(dry_run=True))  # a pass keeps what it read
     assert Snapshot(s3, time.time()).manifests_read == 0
     s3.note_use("0" * 64, s3.get_manifest("0" * 64))  # a use touches: same content, same ETag
@@ -184,3 +184,28 @@ def test_on_s3_a_pass_reads_only_the_manifests_published_since_the_last(s3_uri):
     assert snap.manifests_read == 1 and snap.facts["0" * 64].blobs["artifact"] in snap.refs["0" * 64]
     collect(s3, Policy(unused_days=0, grace_s=0))  # everything goes, the index follows
     assert list(s3.manifest_keys()) == [] and Snapshot(s3, time.time()).index.entries == {}
+
+
+def test_on_s3_publishers_journal_spares_the_first_pass_its_reads_and_a_real_pass_folds_it(s3_uri):
+    """What a Store published (storage/unit_refs.py) is taken where the listing's ETag matches
+    the content it noted; a manifest written another way is read; a real pass folds the journal."""
+    s3 = store_from_uri(s3_uri)
+    prog = s3.put_bytes(b"program")
+    keys = [f"{i}".rjust(64, "a") for i in range(5)]
+    for k in keys:
+        s3.publish_manifest(k, {"key": k, "target": "core-aten", "program": prog.digest,
+                                "blobs": {"artifact": s3.put_bytes(k.encode()).to_dict()}})
+    s3.flush_journal()
+    # one manifest rewritten behind the journal's back (another writer, another content)
+    other = s3.put_bytes(b"other artifact")
+    s3.put_document(manifest_path(keys[0]), {"key": keys[0], "target": "core-aten", "blobs": {"artifact": other.to_dict()}})
+    snap = Snapshot(s3, time.time())
+    assert snap.manifests_read == 1 and len(snap.journals) == 1
+    assert snap.facts[keys[0]].blobs["artifact"] == other.digest  # the content as it is, not as noted
+    assert all(prog.digest in snap.refs[k] for k in keys[1:])  # a digest named outside `blobs` is kept too
+    collect(s3, Policy(dry_run=True))  # a dry run deletes nothing, its own journal included
+    assert len(Snapshot(s3, time.time()).journals) == 1
+    collect(s3, Policy(unused_days=30))  # nothing is old: it keeps everything, and folds the journal
+    snap = Snapshot(s3, time.time())
+    assert snap.journals == [] and snap.manifests_read == 0 and set(keys) <= set(snap.facts)
+    assert s3.complete_manifest(keys[1])[0] is not None and s3.has_blob(prog)
