@@ -190,7 +190,8 @@ class ManifestIndex:
 
 class Snapshot:
     """The store as the mark phase sees it: one listing, every manifest (or its index entry, or
-    its publisher's journal entry: storage/unit_refs.py) and pin read once. A plan for any policy comes from it (`farm du` asks several)."""
+    its publisher's journal entry: storage/unit_refs.py) and pin read once. A plan for any
+    policy comes from it (`farm du` asks several)."""
 
     def __init__(self, store: Store, now: float):
         self.store, self.now = store, now

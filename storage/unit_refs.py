@@ -20,6 +20,7 @@ import re
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -120,14 +121,18 @@ class PublishJournal:
 def read_journal(backend: Backend, paths: list[str]) -> dict[str, Any]:
     """Entries by unit key from the journal objects at `paths` (oldest first: a later entry wins);
     an unreadable object is skipped."""
-    entries: dict[str, Any] = {}
-    for path in sorted(paths):
+
+    def batch(path: str) -> Any:
         try:
             data = backend.read(path)
-            batch = json.loads(gzip.decompress(data)) if data is not None else {}
-        except (OSError, ValueError, EOFError) as e:
+            return json.loads(gzip.decompress(data)) if data is not None else {}
+        except (OSError, ValueError, EOFError, StoreError) as e:
             log.warning("gc: the publish journal %s is unreadable (%s); reading those manifests instead", path, e)
-            continue
-        if isinstance(batch, dict):
-            entries.update(batch)
+            return {}
+
+    entries: dict[str, Any] = {}
+    with ThreadPoolExecutor(8) as pool:
+        for got in pool.map(batch, sorted(paths)):
+            if isinstance(got, dict):
+                entries.update(got)
     return entries

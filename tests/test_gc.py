@@ -196,15 +196,16 @@ def test_on_s3_publishers_journal_spares_the_first_pass_its_reads_and_a_real_pas
         s3.publish_manifest(k, {"key": k, "target": "core-aten", "program": prog.digest,
                                 "blobs": {"artifact": s3.put_bytes(k.encode()).to_dict()}})
     s3.flush_journal()
+    s3.backend.write("gc/published/0-damaged.json.gz", b"not gzip")  # skipped, with a warning
     # one manifest rewritten behind the journal's back (another writer, another content)
     other = s3.put_bytes(b"other artifact")
     s3.put_document(manifest_path(keys[0]), {"key": keys[0], "target": "core-aten", "blobs": {"artifact": other.to_dict()}})
     snap = Snapshot(s3, time.time())
-    assert snap.manifests_read == 1 and len(snap.journals) == 1
+    assert snap.manifests_read == 1 and len(snap.journals) == 2
     assert snap.facts[keys[0]].blobs["artifact"] == other.digest  # the content as it is, not as noted
     assert all(prog.digest in snap.refs[k] for k in keys[1:])  # a digest named outside `blobs` is kept too
     collect(s3, Policy(dry_run=True))  # a dry run deletes nothing, its own journal included
-    assert len(Snapshot(s3, time.time()).journals) == 1
+    assert len(Snapshot(s3, time.time()).journals) == 2
     collect(s3, Policy(unused_days=30))  # nothing is old: it keeps everything, and folds the journal
     snap = Snapshot(s3, time.time())
     assert snap.journals == [] and snap.manifests_read == 0 and set(keys) <= set(snap.facts)
