@@ -253,7 +253,7 @@ class Store:
 
     def flush_journal(self) -> None:
         """Write out what this process published for the collector now (it is also written every
-        few hundred publishes, half a minute after a publish, and at exit)."""
+        few hundred publishes and half a minute after a publish)."""
         if self.journal is not None:
             self.journal.flush()
 
