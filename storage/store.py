@@ -135,7 +135,7 @@ class Store:
         if not self._kept(ref):
             self.backend.write(blob_path(ref.digest), data)
             self.transfer.uploaded += ref.size
-            self._made_young[ref.digest] = time.monotonic()
+            self._mark_young(ref.digest)
         return ref
 
     def put_file(self, src: Path) -> BlobRef:
@@ -144,7 +144,7 @@ class Store:
         if not self._kept(ref):
             self.backend.upload_file(blob_path(ref.digest), src)
             self.transfer.uploaded += ref.size
-            self._made_young[ref.digest] = time.monotonic()
+            self._mark_young(ref.digest)
         return ref
 
     def _kept(self, ref: BlobRef) -> bool:
@@ -154,8 +154,14 @@ class Store:
         window short, and a manifest published into it is incomplete, so readers call it a miss)."""
         if not (self.has_blob(ref) and self.backend.touch(blob_path(ref.digest))):
             return False
-        self._made_young[ref.digest] = time.monotonic()
+        self._mark_young(ref.digest)
         return True
+
+    def _mark_young(self, digest: str) -> None:
+        now = time.monotonic()
+        if len(self._made_young) >= 4096:  # a long-lived worker: forget what is no longer recent
+            self._made_young = {d: t for d, t in self._made_young.items() if now - t < RECENT_S}
+        self._made_young[digest] = now
 
     def _young(self, ref: BlobRef) -> bool:
         """`_kept`, but a blob this process uploaded or touched within the last RECENT_S counts as
@@ -232,8 +238,7 @@ class Store:
         blobs are gone is worth nothing: it is replaced."""
         self._check_blobs(key, manifest)
         data = self._sealed(manifest_path(key), manifest)
-        if self.backend.write(manifest_path(key), data, if_absent=True):
-            self._journal(key, data, manifest)
+        if self._write_manifest(key, data, manifest, if_absent=True):
             return True
         try:
             existing = self.get_manifest(key)
@@ -243,13 +248,15 @@ class Store:
             return False
         log.warning("%s: the published manifest names blobs that are gone (%s); replacing it", key,
                     ", ".join(self.missing_blobs(existing)))
-        self.backend.write(manifest_path(key), data)
-        self._journal(key, data, manifest)
+        self._write_manifest(key, data, manifest)
         return True
 
-    def _journal(self, key: str, data: bytes, manifest: dict[str, Any]) -> None:
-        if self.journal is not None:
+    def _write_manifest(self, key: str, data: bytes, manifest: dict[str, Any], if_absent: bool = False) -> bool:
+        """Write a manifest's sealed bytes; once written, note it in the journal for the collector."""
+        written = self.backend.write(manifest_path(key), data, if_absent=if_absent)
+        if written and self.journal is not None:
             self.journal.note(key, data, manifest)
+        return written
 
     def flush_journal(self) -> None:
         """Write out what this process published for the collector now (it is also written every
@@ -302,9 +309,7 @@ class Store:
         """Overwrite a manifest: only for a decision the user asked to revisit (autotune retune).
         Its blobs must be in the store, as for publishing."""
         self._check_blobs(key, manifest)
-        data = self._sealed(manifest_path(key), manifest)
-        self.backend.write(manifest_path(key), data)
-        self._journal(key, data, manifest)
+        self._write_manifest(key, self._sealed(manifest_path(key), manifest), manifest)
 
     def get_manifest(self, key: str) -> dict[str, Any] | None:
         """The manifest of key, or None; raises UntrustedDocument when it fails the signature check."""

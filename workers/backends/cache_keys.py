@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 from typing import Iterator
 
 LOGGER = "torch._functorch._aot_autograd.autograd_cache"
@@ -62,6 +63,46 @@ def recording(keys: dict[str, Parts] | None = None) -> Iterator[dict[str, Parts]
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.propagate = propagate
+
+
+_active = threading.local()  # this thread's `recording_compiles` (its keys, and the recording while Dynamo compiles)
+_callbacks_installed = False
+
+
+def _compile_started(_args: object) -> None:
+    keys = getattr(_active, "keys", None)
+    if keys is not None and getattr(_active, "recording", None) is None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(recording(keys))
+        _active.recording = stack
+
+
+def _compile_ended(_args: object) -> None:
+    stack = getattr(_active, "recording", None)
+    if stack is not None:
+        _active.recording = None
+        stack.close()
+
+
+@contextlib.contextmanager
+def recording_compiles() -> Iterator[dict[str, Parts]]:
+    """`recording`, switched on by Dynamo's compile callbacks only while Dynamo compiles: around
+    every training step, a call that compiles nothing costs a thread-local store instead of two
+    changes of logging's levels (which clear every logger's cache under logging's global lock)."""
+    global _callbacks_installed
+    if not _callbacks_installed:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(_compile_started)
+        callback_handler.register_end_callback(_compile_ended)
+        _callbacks_installed = True
+    keys: dict[str, Parts] = {}
+    outer = getattr(_active, "keys", None)
+    _active.keys = keys
+    try:
+        yield keys
+    finally:
+        _active.keys = outer
 
 
 def why_missed(key: str, seen: Parts, recorded: dict[str, Parts]) -> str:

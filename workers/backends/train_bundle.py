@@ -73,7 +73,7 @@ def trainable(module: torch.nn.Module, pin: Pin, shipped_keys: dict[str, cache_k
             with pin.held():
                 return compiled_call(*args, **kwargs)
         missed = aot["autograd_cache_miss"]
-        with pin.held(), cache_keys.recording() as seen:
+        with pin.held(), cache_keys.recording_compiles() as seen:
             out = compiled_call(*args, **kwargs)
         if aot["autograd_cache_miss"] > missed:
             new = [k for k in seen if k not in shipped_keys] or list(seen)  # a key the bundle has may have hit
