@@ -9,14 +9,17 @@ own parts with the closest recorded key and names the parts that differ.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import pickle
 import re
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 LOGGER = "torch._functorch._aot_autograd.autograd_cache"
 _PART = re.compile(r"\[(\w+)\] ([^:\n]+): ")
 HASH_CHARS = 12  # enough to tell two parts apart; keeps a bundle's record small
+_PLAIN = (bool, int, float, str, type(None))
 
 Parts = dict[str, str]  # part name (`inductor_config[cpp.march]`, `gm`, ...) -> its hash
 
@@ -32,6 +35,52 @@ def parts(details: str) -> Parts:
     return found
 
 
+def _digest(value: object) -> str:
+    try:
+        data = pickle.dumps(value, protocol=2)
+    except Exception:  # noqa: BLE001 - a setting pickle refuses is told apart by its repr
+        data = repr(value).encode()
+    return hashlib.sha256(data).hexdigest()[:HASH_CHARS]
+
+
+def _autograd_config() -> dict[str, Any]:
+    from torch._functorch import config
+
+    return pickle.loads(config.save_config())  # this process's own settings, pickled by torch
+
+
+def autograd_settings() -> Parts:
+    """Each AOTAutograd setting's hash, as the key just computed saw them. AOTAutograd hashes
+    them all as one part (`autograd_config`), which tells a miss that some setting differs but
+    not which; the recorder runs in the thread and context that computed the key, so these are
+    the values that went into it."""
+    return {f"autograd_config[{name}]": _digest(value) for name, value in _autograd_config().items()}
+
+
+def autograd_values() -> dict[str, Any]:
+    """This process's AOTAutograd settings that a bundle's facts can carry (plain values), for
+    `settings_to_pin` at load."""
+    return {name: value for name, value in _autograd_config().items()
+            if not name.startswith("_save_config") and isinstance(value, _PLAIN)}
+
+
+def settings_to_pin(recorded: object) -> dict[str, Any]:
+    """The AOTAutograd settings a consumer holds around its calls so that its keys are the
+    producer's: those of `recorded` (a bundle's `autograd_config`) whose value here differs and
+    that this process left at torch's default. Some defaults come from the environment
+    (`error_on_custom_op_aliasing` is on wherever `CI` is set, and the sandbox passes no `CI`), so
+    a consumer on a CI runner missed every graph. A setting the user chose (in code or its
+    environment variable) is theirs: kept, and a miss names it."""
+    from torch._functorch import config
+
+    is_default = getattr(config, "_is_default", None)
+    if not isinstance(recorded, dict) or is_default is None:
+        return {}
+    here = autograd_values()
+    return {name: value for name, value in recorded.items()
+            if name in here and type(value) is type(here[name]) and value != here[name] and is_default(name)}
+
+
 class _Recorder(logging.Handler):
     def __init__(self, keys: dict[str, Parts]) -> None:
         super().__init__(logging.DEBUG)
@@ -41,7 +90,7 @@ class _Recorder(logging.Handler):
         if str(record.msg).startswith("Autograd graph cache hash details") and isinstance(record.args, tuple) \
                 and len(record.args) == 2:
             key, details = record.args
-            self.keys[str(key)] = parts(str(details))
+            self.keys[str(key)] = {**parts(str(details)), **autograd_settings()}
 
 
 @contextlib.contextmanager
@@ -115,7 +164,10 @@ def why_missed(key: str, seen: Parts, recorded: dict[str, Parts]) -> str:
         return f"key {key[:16]}… is not in the bundle, which records no keys (built by an older farm)"
 
     def differing(other: Parts) -> list[str]:
-        return sorted(n for n in set(seen) | set(other) if seen.get(n) != other.get(n))
+        names = sorted(n for n in set(seen) | set(other) if seen.get(n) != other.get(n)
+                       if not n.startswith("autograd_config[") or (n in seen and n in other))  # older bundles lack these
+        named = [n for n in names if n != "autograd_config"]  # the settings that differ say more than their sum
+        return named if any(n.startswith("autograd_config[") for n in named) else names
 
     closest = min(recorded.values(), key=lambda other: len(differing(other)))
     names = differing(closest)

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -42,6 +42,9 @@ class Pin:
     around every call of the compiled module, at lowering and at load."""
     configs: dict[str, Any]  # Inductor config, the CPU ISA's included
     vec_isa: str | None  # the one vector ISA Inductor may see; None: not pinned (a GPU target)
+    # AOTAutograd settings (part of its keys): at load, the producer's where this process's
+    # defaults differ (cache_keys.settings_to_pin); at lowering, none: the sandbox's own
+    autograd: dict[str, Any] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -51,6 +54,10 @@ class Pin:
             if self.vec_isa is not None:
                 stack.enter_context(cpu_isa.only_vec_isa(self.vec_isa))
             stack.enter_context(torch._inductor.config.patch(self.configs))
+            if self.autograd:
+                from torch._functorch import config as autograd_config
+
+                stack.enter_context(autograd_config.patch(self.autograd))
             yield
 
 
@@ -118,6 +125,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
     torch._dynamo.utils.counters.clear()
     sets = input_sets(ep)
     with kernels.capturing() as loaded, pin.held(), cache_keys.recording() as keys:
+        autograd = cache_keys.autograd_values()
         for inputs in sets:
             mark_dynamic(ep, inputs.args, marks)
             step(module)(*inputs.args, **inputs.kwargs)
@@ -142,6 +150,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
         "randomness": {"ops": random_ops(ep), "verified_with": "fallback_random" if pin.configs.get("fallback_random") else None},
         # each AOTAutograd key's parts: a consumer that misses names the parts it differs in
         "cache_keys": keys,
+        "autograd_config": autograd,  # the settings those keys were computed under (pinned at load)
     }
     out = workdir / "training-bundle.tar"
     kernels.pack(out, {"bundle.bin": saved[0]}, binaries, facts)
@@ -187,6 +196,7 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[
         raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
     recorded = unpacked.facts.get("cache_keys")  # read from the store: only well-formed entries count
     keys = {k: v for k, v in recorded.items() if isinstance(v, dict)} if isinstance(recorded, dict) else {}
+    pin = replace(pin, autograd={**pin.autograd, **cache_keys.settings_to_pin(unpacked.facts.get("autograd_config"))})
     return trainable(ep.module(), pin, keys)
 
 
