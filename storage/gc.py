@@ -200,9 +200,10 @@ class Snapshot:
         self.index = ManifestIndex(store)
         units = self.listing.units
         self.facts = {k: f for k in units if (f := self.index.get(k, units[k].etag)) is not None}
-        # what publishers noted since (storage/unit_refs.py), taken where the content is the same
+        # what publishers noted since (storage/unit_refs.py), taken where the content is the same;
+        # not read when the index knows every manifest (a real pass still folds it away)
         self.journals = [i.path for i in self.listing.by_kind["gc"] if i.path.startswith(JOURNAL)]
-        noted = read_journal(store.backend, self.journals) if self.journals else {}
+        noted = read_journal(store.backend, self.journals) if self.journals and len(self.facts) < len(units) else {}
         for k in units.keys() - self.facts.keys():
             if (f := UnitFacts.from_entry(noted.get(k), units[k].etag)) is not None:
                 self.facts[k] = f

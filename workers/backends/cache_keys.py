@@ -36,11 +36,7 @@ def parts(details: str) -> Parts:
 
 
 def _digest(value: object) -> str:
-    try:
-        data = pickle.dumps(value, protocol=2)
-    except Exception:  # noqa: BLE001 - a setting pickle refuses is told apart by its repr
-        data = repr(value).encode()
-    return hashlib.sha256(data).hexdigest()[:HASH_CHARS]
+    return hashlib.sha256(pickle.dumps(value, protocol=2)).hexdigest()[:HASH_CHARS]  # torch pickled it already
 
 
 def _autograd_config() -> dict[str, Any]:

@@ -196,7 +196,7 @@ def load(artifact: Path, pin: Pin, ep: ExportedProgram, host_problem: Callable[[
         raise LoweringError(f"{artifact} holds no torch.compile cache artifacts")
     recorded = unpacked.facts.get("cache_keys")  # read from the store: only well-formed entries count
     keys = {k: v for k, v in recorded.items() if isinstance(v, dict)} if isinstance(recorded, dict) else {}
-    pin = replace(pin, autograd={**pin.autograd, **cache_keys.settings_to_pin(unpacked.facts.get("autograd_config"))})
+    pin = replace(pin, autograd=cache_keys.settings_to_pin(unpacked.facts.get("autograd_config")))
     return trainable(ep.module(), pin, keys)
 
 
