@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 from pathlib import Path
@@ -10,9 +11,10 @@ from typing import Optional
 import typer
 
 from farm import client
-from farm.cli_common import StoreOpt
+from farm.cli_common import DEFAULT_STORE, StoreOpt
 from farm.cli_common import fail as _fail
 from farm.cli_common import open_store as _open_store
+from farm.service_cli import register as register_service_commands
 from farm.store_cli import register as register_store_commands
 from farm.zoo_cli import zoo_app
 from scheduler.spec import JobSpec, SpecError, TargetSpec, VerifySpec, load_job, parse_job
@@ -20,6 +22,7 @@ from scheduler.spec import JobSpec, SpecError, TargetSpec, VerifySpec, load_job,
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
 app.add_typer(zoo_app, name="zoo")
 register_store_commands(app)
+register_service_commands(app)
 
 
 def _json(obj) -> None:
@@ -100,6 +103,12 @@ def run(job_file: Path = typer.Argument(..., help="job spec (YAML)"), store: str
     _run_job(lambda events: client.run(job, _open_store(store), events=events), store)
 
 
+class PriorityChoice(str, enum.Enum):
+    interactive = "interactive"
+    batch = "batch"
+    nightly = "nightly"
+
+
 @app.command()
 def submit(
     job_file: Path = typer.Argument(..., help="job spec (YAML)"),
@@ -109,8 +118,11 @@ def submit(
     timeout: Optional[float] = typer.Option(None, help="seconds before a unit is failed as timeout (default: the job's)"),
     retries: Optional[int] = typer.Option(None, help="re-queues of a unit whose worker died (default: the job's)"),
     metrics_port: Optional[int] = typer.Option(None, help="an embedded Ray's Prometheus endpoint (127.0.0.1:PORT/metrics)"),
+    priority: Optional[PriorityChoice] = typer.Option(None, help="a farm service's share for the job (default: the spec's, else batch)"),
+    detach: bool = typer.Option(False, "--detach", help="with a farm service: print the job id and return at once"),
 ) -> None:
-    """Run a job on Ray: long-lived workers per device class, live progress, results in the store."""
+    """Run a job on Ray: long-lived workers per device class, live progress, results in the store.
+    Where a farm service runs on the cluster (`farm serve`), the job is handed to it."""
     from farm.console import console
 
     try:
@@ -121,6 +133,13 @@ def submit(
     if retries is not None:
         update["retries"] = retries
     job = job.model_copy(update={"limits": job.limits.model_copy(update=update)})
+    if priority is not None:
+        job = job.model_copy(update={"priority": priority.value})
+    if _submit_to_service(job, store, address, workers, detach):
+        return
+    if detach:
+        raise _fail("--detach hands the job to a farm service, and none runs there: start one with `farm serve "
+                    "--address HOST:PORT`, or leave out --detach")
 
     def joined(session, job_id: str) -> None:
         if session.dashboard:
@@ -129,6 +148,39 @@ def submit(
 
     _run_job(lambda events: client.submit(job, _open_store(store), address=address, workers=workers, events=events,
                                           metrics_port=metrics_port, on_session=joined), store)
+
+
+def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: int | None, detach: bool) -> bool:
+    """Hand the job to the farm service on the cluster, if one runs there; follow it unless detached."""
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        return False
+    from farm.console import console, out, status_line, watch_status
+    from farm.service_client import ServiceRefused, connect
+    from scheduler.ray_service import ServiceError
+    from scheduler.ray_session import JoinFailed
+    from storage import StoreError
+
+    try:
+        service = connect(address)
+        if service is None:
+            return False
+        named = None if store == DEFAULT_STORE and "FARM_STORE" not in os.environ else store
+        job_id = service.submit(job, named, workers=workers)
+    except (JoinFailed, ServiceError, ServiceRefused, SpecError, StoreError) as e:
+        raise _fail(str(e)) from e
+    where = f"--store {service.store_uri}"
+    console.print(f"job {job_id} handed to the farm service ({job.priority}); `farm status {job_id} --watch {where}` "
+                  f"follows it from any machine, `farm cancel {job_id}` cancels it")
+    if detach:
+        typer.echo(job_id)
+        return True
+    handle = client.JobHandle(job_id, service.store())
+    doc = watch_status(handle.status, 1.0)
+    out.print(status_line(doc))
+    if doc["state"] != "done":
+        raise _fail(f"job {job_id} {doc['state']}" + (f": {doc['error']}" if doc.get("error") else ""), code=1)
+    _print_results(handle, service.store_uri)
+    return True
 
 
 @app.command()
@@ -260,17 +312,25 @@ def results(
     as_json: bool = typer.Option(False, "--json", help="print the rows (storage.results.RESULTS_SCHEMA) as a JSON list"),
 ) -> None:
     """Print the results table of a job from the store."""
+    handle = _job_handle(job_id, store)
+    if as_json:
+        try:
+            _json(handle.results().to_pylist())
+        except client.UnknownJob as e:
+            raise _fail(str(e)) from e
+        return
+    _print_results(handle, store)
+
+
+def _print_results(handle: "client.JobHandle", store: str) -> None:
+    """A job's results table, stats and failure logs, from the store; exit 1 when a unit failed."""
     from farm.console import failure_logs, out, results_table, stats_line
     from storage.stats import JobStats
 
-    handle = _job_handle(job_id, store)
     try:
         rows = handle.results().to_pylist()
     except client.UnknownJob as e:
         raise _fail(str(e)) from e
-    if as_json:
-        _json(rows)
-        return
     out.print(results_table(rows, f"job {handle.job_id}"))
     out.print(stats_line(JobStats.from_rows(rows)))
     for line in failure_logs(rows, store):

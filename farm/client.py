@@ -11,39 +11,40 @@ this module. Keys may be given as the unique prefixes tables print, job ids like
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
 
-from farm.loading import load_compiled, load_tuned
+from farm.service_client import job_spec
+from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
-from scheduler.jobs import Events, JobOutcome, NoEvents, execute, new_job_id, read_status
+from scheduler.jobs import ENDED, Events, JobOutcome, NoEvents, execute, new_job_id, read_status
 from scheduler.spec import JobSpec, load_job, parse_job
-from storage import CacheConfig, Store, UnknownKey, store_from_uri
+from storage import Store, UnknownKey
 from storage.results import read_results_table
+from storage.service_jobs import ServiceJobs
 from storage.stats import STATS_FILE
-from storage.uri import default_store
 
 __all__ = ["JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned", "resolve_job", "run",
            "submit", "warm_start"]
+
+
+def __getattr__(name: str):
+    """load_compiled and load_tuned import torch: only when asked for, so submitting to a farm
+    service imports none."""
+    if name in ("load_compiled", "load_tuned"):
+        from farm import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 class UnknownJob(ValueError):
     """No job, or more than one, answers to the id (or prefix) asked for."""
 
 
-def _store(store: str | Store | None) -> Store:
-    """A store given by URI (None: FARM_STORE, else .farm/store), with the local disk tier workers use."""
-    return store if isinstance(store, Store) else store_from_uri(store or default_store(), CacheConfig.from_env())
-
-
-def _job_spec(spec: JobSpec | dict | str | Path) -> JobSpec:
-    if isinstance(spec, JobSpec):
-        return spec
-    if isinstance(spec, dict):
-        return parse_job(spec, "the job given to submit()", base_dir=Path.cwd())
-    return load_job(spec)
 
 
 def resolve_job(store: Store, text: str) -> str:
@@ -72,18 +73,28 @@ class JobHandle:
         """How far the job got, from the store: state, total, queued, running, compiled, hit, failed, retries."""
         doc = read_status(self.store, self.job_id)
         if doc is None:
-            raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
+            record = ServiceJobs(self.store).get(self.job_id)  # a farm service's job it has not started yet
+            if record is None:
+                raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
+            return {"job_id": self.job_id, "state": record.state, "total": 0, "queued": 0, "running": 0,
+                    "compiled": 0, "hit": 0, "failed": 0, "skipped": 0, "retries": 0, "running_units": [],
+                    "error": record.error}
         return doc
 
     def done(self) -> bool:
         if self._thread is not None:
             return not self._thread.is_alive()
-        return self.status()["state"] in ("done", "rejected")
+        return self.status()["state"] in ENDED
 
-    def wait(self, timeout: float | None = None) -> "JobHandle":
-        """Wait for a job submitted from here; re-raises what stopped it (a bad spec, an unreachable store)."""
+    def wait(self, timeout: float | None = None, every: float = 1.0) -> "JobHandle":
+        """Wait for the job: one submitted from here (re-raising what stopped it: a bad spec, an
+        unreachable store), or one a farm service runs (followed in the store)."""
         if self._thread is not None:
             self._thread.join(timeout)
+        elif self.outcome is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self.done() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(every)
         if self._error is not None:
             raise self._error
         return self
@@ -110,13 +121,13 @@ class JobHandle:
 
 def job(job_id: str, store: str | Store | None = None) -> JobHandle:
     """A handle on a job already in the store (id or unique prefix), submitted from anywhere."""
-    s = _store(store)
+    s = open_store(store)
     return JobHandle(resolve_job(s, job_id), s)
 
 
 def _start(spec: JobSpec | dict | str | Path, store: str | Store | None, wait: bool, events: Events,
            run_job: Callable[[JobSpec, Store, str, Events], JobOutcome]) -> JobHandle:
-    spec, s = _job_spec(spec), _store(store)
+    spec, s = job_spec(spec), open_store(store)
     handle = JobHandle(new_job_id(spec.name), s)
 
     def go() -> None:
@@ -135,11 +146,23 @@ def _start(spec: JobSpec | dict | str | Path, store: str | Store | None, wait: b
 
 def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, address: str | None = None,
            wait: bool = True, workers: int | None = None, events: Events | None = None,
-           metrics_port: int | None = None, on_session: Callable[[Any, str], None] | None = None) -> JobHandle:
+           metrics_port: int | None = None, on_session: Callable[[Any, str], None] | None = None,
+           priority: str | None = None) -> JobHandle:
     """Run a job on Ray: the cluster at `address` (or RAY_ADDRESS), else an embedded Ray of this
     process's own, kept up for the next submit (its Prometheus metrics on `metrics_port`). With
     `wait=False` it returns at once; the handle's `status()` follows it. `on_session(session,
-    job_id)` is called once Ray is up (the CLI prints the dashboard's URL)."""
+    job_id)` is called once Ray is up (the CLI prints the dashboard's URL).
+
+    Where a farm service runs on that cluster (`farm serve`), the job is handed to it: it runs
+    there at `priority` (default: the spec's) and goes on if this process ends; `store` must be
+    the service's or None. `events` and `metrics_port` do not apply there."""
+    from farm.service_client import connect
+
+    service = connect(address)
+    if service is not None:
+        s = service.store(store)
+        handle = JobHandle(service.submit(spec, store, priority=priority, workers=workers), s)
+        return handle.wait() if wait else handle
     from scheduler.ray_observe import RayObserver
     from scheduler.ray_pool import PoolConfig, RayRunner
     from scheduler.ray_session import ray_session
@@ -168,7 +191,7 @@ def fetch(key: str, dest: str | Path, store: str | Store | None = None) -> dict[
     it is and how to load it."""
     from storage.signing import describe
 
-    s = _store(store)
+    s = open_store(store)
     full = s.resolve_key(key)
     manifest, incomplete = s.complete_manifest(full)  # signature checked when FARM_VERIFY_KEY is set
     if incomplete:

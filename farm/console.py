@@ -196,9 +196,11 @@ def watch_status(read, every: float) -> dict:
     """Redraw the job's status table from the store every `every` seconds until the job ends."""
     from rich.live import Live
 
+    from scheduler.jobs import ENDED
+
     doc = read()
     with Live(status_table(doc), console=out, auto_refresh=False) as live:
-        while doc["state"] not in ("done", "rejected"):
+        while doc["state"] not in ENDED:
             time.sleep(every)
             doc = read()
             live.update(status_table(doc), refresh=True)

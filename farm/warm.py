@@ -53,7 +53,7 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
     have to compile (another toolchain, another CPU)."""
     from torch.export import ExportedProgram
 
-    from farm.client import _store
+    from farm.stores import open_store
     from workers.backends import LoweringError, resolve
     from workers.keys import key_components, key_of
     from workers.sandbox.program import load_program, program_identity
@@ -65,7 +65,7 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
         backend = resolve(t)
     except LoweringError as e:
         raise WarmStartError(str(e)) from e
-    s = _store(store)
+    s = open_store(store)
     identity = program_identity(ep, weights_by_value=t.weights == "values")
     components = key_components(identity, backend.target_components(t), t.options_dict, backend.toolchain(t))
     key = key_of(components)

@@ -29,6 +29,7 @@ from workers.unit import Gang, Unit, UnitResult
 log = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
+ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
 TRANSIENT_PAUSE_S = 5.0  # before the first run again of units the store failed; doubles each round
 KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
 

@@ -7,8 +7,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from scheduler.spec import JobSpec, SpecError, TargetSpec
+import re
+
+from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
+from storage.store import blob_path
 from workers.backends import LoweringError, resolve
 from workers.sandbox import tempdirs
 from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPolicy
@@ -16,6 +19,8 @@ from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPoli
 
 def ingest(store: Store, source: str) -> BlobRef:
     """Put a graph file (local path or URI) into the store; raise with a message for people."""
+    if source.startswith(BLOB_SCHEME):
+        return stored_blob(store, source)
     if "://" in source and not source.startswith("file://"):
         with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("ingest")) as tmp:
             local = Path(tmp) / "graph.pt2"
@@ -30,6 +35,18 @@ def ingest(store: Store, source: str) -> BlobRef:
     if path.is_dir():
         raise FileNotFoundError(f"{path} is a directory; name the .pt2 file written by torch.export.save")
     return store.put_file(path)
+
+
+def stored_blob(store: Store, source: str) -> BlobRef:
+    """A graph a client uploaded before handing its job to a farm service."""
+    match = re.fullmatch(r"blob://sha256/([0-9a-f]{64})", source)
+    if match is None:
+        raise FileNotFoundError(f"{source} is not a blob address: blob://sha256/ and 64 hex digits")
+    size = store.backend.size(blob_path(match[1]))
+    if size is None:
+        raise FileNotFoundError(f"{source} is not in {store.uri}; the client uploads a graph before it submits, "
+                                f"so submit the job again")
+    return BlobRef(match[1], size)
 
 
 def _target(t: TargetSpec, job: JobSpec) -> Target:

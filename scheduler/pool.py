@@ -82,7 +82,7 @@ class Cluster(Protocol):
 
     def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str) -> Any: ...
     def ready(self, actor: Any) -> Any: ...  # a future that resolves once the actor has started
-    def submit(self, actor: Any, unit: Unit) -> Any: ...  # a future of the unit's UnitResult
+    def submit(self, actor: Any, unit: Unit, job: str | None = None) -> Any: ...  # a future of the unit's UnitResult
     def wait(self, futures: list[Any], timeout: float) -> list[Any]: ...  # those of futures that are done
     def get(self, future: Any) -> Any: ...
     def pids(self, actors: list[Any]) -> list[int]: ...
@@ -90,6 +90,7 @@ class Cluster(Protocol):
     def offered(self) -> dict[str, float]: ...  # resources the cluster offers, e.g. {"CPU": 2, "farm_cpu_avx2": 2}
     def nodes(self) -> list[dict[str, float]]: ...  # what each live node offers
     def stop(self, actors: list[Any]) -> None: ...  # at the end of a job
+    def rest(self, actor: Any) -> None: ...  # an idle worker renews its sandbox child for whichever job comes next
 
 
 @dataclass

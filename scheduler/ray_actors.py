@@ -30,15 +30,29 @@ class CompileWorker:
         # while the child starts, and before the first unit's clock starts
         self.host_facts = threading.Thread(target=cpu_fingerprint if device == "cpu" else lambda: None, daemon=True)
         self.host_facts.start()
+        self.served: str | None = None  # the job whose unit the sandbox child last ran (a farm service's worker)
+        self._child = threading.Lock()  # a threaded actor: `rest` and `run` take the child in turn
 
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, unit: Unit) -> UnitResult:
+    def run(self, unit: Unit, job: str | None = None) -> UnitResult:
         self.host_facts.join()
-        result = run_unit(unit, self.store, self.sandbox)
+        with self._child:
+            if job is not None and self.served not in (None, job):
+                self.sandbox.renew()  # no child serves two jobs (the pool normally renewed it while idle)
+            self.served = job
+            result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
         return result
+
+    def rest(self) -> None:
+        """Idle in a farm service: the child that served a job is replaced by a fresh one, which
+        imports torch now, so the next unit, of whichever job, finds it warm and clean."""
+        with self._child:
+            if self.served is not None:
+                self.sandbox.renew()
+                self.served = None
 
     def close(self) -> None:
         self.sandbox.close()

@@ -49,8 +49,8 @@ class RayCluster:
     def ready(self, actor: Any) -> Any:
         return actor.pid.remote()
 
-    def submit(self, actor: Any, unit: Unit) -> Any:
-        return actor.run.options(name=f"compile {unit.unit_id}").remote(unit)
+    def submit(self, actor: Any, unit: Unit, job: str | None = None) -> Any:
+        return actor.run.options(name=f"compile {unit.unit_id}").remote(unit, job)
 
     def wait(self, futures: list[Any], timeout: float) -> list[Any]:
         return ray.wait(futures, num_returns=1, timeout=timeout)[0]
@@ -72,6 +72,9 @@ class RayCluster:
 
     def stop(self, actors: list[Any]) -> None:
         _stop(actors)
+
+    def rest(self, actor: Any) -> None:
+        actor.rest.remote()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from scheduler.fair import DEFAULT_PRIORITY, Priority
 from workers.autotune.space import DEFAULT_SPACE, resolve_space
 from workers.unit import BenchPolicy, Mode, Unit, UnitLimits, VerifyPolicy
 
@@ -202,6 +203,8 @@ class JobSpec(_Strict):
     weights: Literal["values", "shapes"] = Field(
         "values", description="values: one artifact per checkpoint; shapes: the key hashes only weight names, shapes "
                               "and dtypes, and any checkpoint of the same architecture loads into the artifact")
+    priority: Priority = Field(DEFAULT_PRIORITY, description="interactive, batch or nightly: a job's share of a farm "
+                                                             "service's workers (scheduler/fair.py has the weights)")
     base_dir: str = Field(".", exclude=True, description="where relative graph paths start; set from the job file")
 
     @field_validator("graphs")
@@ -249,6 +252,11 @@ def parse_job(data: Any, source: str = "<job>", base_dir: str | Path = ".") -> J
     return job
 
 
+# A graph already in the farm's store, by digest (`blob://sha256/<hex>`): what a client that hands
+# its job to a farm service names its local graphs as, once it has uploaded them.
+BLOB_SCHEME = "blob://"
+
+
 def allowed_sources() -> list[str]:
     """FARM_ALLOWED_SOURCES: comma-separated prefixes (`s3://models/`, `/data/graphs/`) every graph
     must come from; unset or empty allows any."""
@@ -262,7 +270,7 @@ def _check_sources(job: JobSpec, source: str) -> None:
     named = [(f"graphs.{i}.path", job.resolve(g)) for i, g in enumerate(job.graphs)]
     named += [(f"gangs.{i}.ranks.{r}", job.resolve(p)) for i, g in enumerate(job.gangs) for r, p in enumerate(g.paths())]
     for field_name, where in named:
-        if not any(where.startswith(p) for p in prefixes):
+        if not where.startswith(BLOB_SCHEME) and not any(where.startswith(p) for p in prefixes):
             raise SpecError(f"{source}: {field_name}: {where} is outside the sources this farm allows "
                             f"(FARM_ALLOWED_SOURCES: {', '.join(prefixes)}); copy the graph there")
 

@@ -30,7 +30,7 @@ class FakeCluster:
 
     def __init__(self, starts: Callable[[int], str] = lambda n: "ok", runs: Callable[[Unit, int], str] = lambda u, n: "ok"):
         self.starts, self.runs = starts, runs
-        self.started, self.killed, self.stopped = 0, [], []
+        self.started, self.killed, self.stopped, self.rested = 0, [], [], []
         self.attempts: Counter = Counter()
         self.ran: list[tuple[str, str]] = []  # (worker's name, unit's target) per submission
         self.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0}
@@ -46,7 +46,7 @@ class FakeCluster:
     def ready(self, actor):
         return _died_with(ValueError("FARM_CACHE_GB='lots' is not a number")) if actor["dies"] else Future(actor["id"])
 
-    def submit(self, actor, unit):
+    def submit(self, actor, unit, job=None):
         self.attempts[unit.unit_id] += 1
         self.ran.append((actor["name"], unit.target.label))
         what = self.runs(unit, self.attempts[unit.unit_id])
@@ -81,6 +81,9 @@ class FakeCluster:
 
     def stop(self, actors):
         self.stopped = [a["id"] for a in actors]
+
+    def rest(self, actor):
+        self.rested.append(actor["id"])
 
 
 def _died_with(error: BaseException) -> Future:

@@ -1,0 +1,116 @@
+"""`farm serve`, `farm jobs`, `farm cancel`: running the farm as a service for a team, on Ray."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import typer
+
+from farm.cli_common import StoreOpt, fail
+
+AddressOpt = typer.Option(None, "--address", help="the Ray cluster (default: RAY_ADDRESS)")
+
+
+def _address(address: str | None) -> str:
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise fail("a farm service runs on a Ray cluster: give --address HOST:PORT or set RAY_ADDRESS "
+                   "(`ray start --head` starts one; README: Running a farm for a team)")
+    return address
+
+
+def _service(address: str | None):
+    """The service on the cluster, or a clear error."""
+    from farm.service_client import connect
+    from scheduler.ray_service import ServiceError
+    from scheduler.ray_session import JoinFailed
+
+    address = _address(address)
+    try:
+        service = connect(address)
+    except (JoinFailed, ServiceError) as e:
+        raise fail(str(e)) from e
+    if service is None:
+        raise fail(f"no farm service runs on the Ray cluster at {address}; `farm serve --address {address}` starts one")
+    return service
+
+
+def serve(
+    address: Optional[str] = AddressOpt,
+    store: str = StoreOpt,
+    stop: bool = typer.Option(False, "--stop", help="end the running service, and say what became of its units"),
+    max_workers: Optional[int] = typer.Option(None, help="compile workers in all (default: every CPU the cluster offers)"),
+    min_workers: int = typer.Option(0, help="workers kept up while idle"),
+    retries: int = typer.Option(2, help="re-queues of a unit whose worker died"),
+) -> None:
+    """Start the farm as a long-lived service on a Ray cluster (a detached `farm-scheduler` actor,
+    namespace `farm`) and return once it answers. Jobs submitted to the cluster then share its
+    warm workers by priority."""
+    from farm.console import out
+    from farm.service_client import absolute_store
+    from scheduler.ray_service import ServiceError, start_service, stop_service
+    from scheduler.ray_session import JoinFailed, ray_session
+    from scheduler.shared_pool import ServiceConfig, idle_s_from_env
+
+    address = _address(address)
+    try:
+        config = ServiceConfig(max_workers=max_workers, min_workers=min_workers, idle_s=idle_s_from_env(),
+                               retries=retries)
+        with ray_session(address, keep=True):
+            if stop:
+                said = stop_service()
+                out.print(f"farm service stopped. Jobs it ran, recorded as cancelled: {', '.join(said['jobs']) or 'none'}; "
+                          f"units failed (retryable, nothing half-published): {said['running']} running, "
+                          f"{said['queued']} queued")
+                return
+            info = start_service(absolute_store(store), config)
+    except (JoinFailed, ServiceError, ValueError) as e:
+        raise fail(str(e)) from e
+    resumed = f"; resumed jobs: {', '.join(info['resumed'])}" if info["resumed"] else ""
+    out.print(f"farm service up on {address}: actor farm-scheduler (namespace farm), store {info['store']}, "
+              f"idle workers stop after {config.idle_s:g}s (FARM_IDLE_S){resumed}")
+    out.print(f"submit with `farm submit JOB.yaml --address {address} [--priority interactive|batch|nightly]`; "
+              f"`farm jobs --address {address}` lists jobs")
+
+
+def jobs(address: Optional[str] = AddressOpt,
+         as_json: bool = typer.Option(False, "--json", help="print the jobs as a JSON list")) -> None:
+    """Queued, running and recently ended jobs of the farm service, with progress and priority."""
+    from rich.table import Table
+
+    from farm.console import out
+
+    rows = _service(address).jobs()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title=f"farm service jobs ({len(rows)})")
+    for col in ("job", "priority", "state", "progress", "queued", "running", "hit", "failed", "submitted"):
+        table.add_column(col)
+    for r in rows:
+        ended = r["compiled"] + r["hit"] + r["failed"] + r["skipped"]
+        table.add_row(r["job_id"], r["priority"], r["state"] + (f" ({r['error']})" if r.get("error") else ""),
+                      f"{ended}/{r['total']}", str(r["queued"]), str(r["running"]), str(r["hit"]), str(r["failed"]),
+                      r["submitted_at"])
+    out.print(table)
+
+
+def cancel(job_id: str = typer.Argument(..., help="the job's id"), address: Optional[str] = AddressOpt) -> None:
+    """Cancel a job of the farm service: its queued units are dropped, its running ones stopped
+    (nothing half-published); units already done keep their artifacts."""
+    from farm.console import out
+    from farm.service_client import ServiceRefused
+
+    try:
+        said = _service(address).cancel(job_id)
+    except ServiceRefused as e:
+        raise fail(str(e)) from e
+    out.print(f"job {said['job_id']} cancelled: {said['units_stopped']} units dropped or stopped")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(jobs)
+    app.command()(cancel)
+

@@ -1,0 +1,76 @@
+"""Placing, finding and stopping a farm service on Ray: the detached `farm-scheduler` actor in
+namespace `farm` (its body: scheduler/service.py). The only module that makes Ray calls about
+the service; the client (farm/client.py) reaches it through here and imports no torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from scheduler.service import FarmScheduler
+from scheduler.shared_pool import ServiceConfig
+
+SERVICE = "farm-scheduler"
+NAMESPACE = "farm"
+START_S = 120.0  # a scheduler that has not answered by then is reported, and stopped
+CALL_S = 60.0
+
+# num_cpus=0: the scheduler takes no worker slot. max_restarts=-1: Ray brings it back after a crash
+# or a node loss, and the new one resumes the jobs in the store's records. Threaded, so a client's
+# `farm jobs` is answered while jobs are planned.
+_RemoteScheduler = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=64)(FarmScheduler)
+
+
+class ServiceError(RuntimeError):
+    """The farm service could not be started, reached or stopped; the message says what to do."""
+
+
+def find_service() -> Any | None:
+    """The running service's actor on the joined cluster, or None."""
+    try:
+        return ray.get_actor(SERVICE, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def call(actor: Any, method: str, *args: Any, timeout: float = CALL_S) -> Any:
+    """A call on the service; a scheduler that is restarting is waited for up to `timeout`."""
+    try:
+        return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
+    except GetTimeoutError as e:
+        raise ServiceError(f"the farm service did not answer `{method}` within {timeout:g}s; "
+                           f"`ray list actors --filter name={SERVICE}` shows its state") from e
+    except RayActorError as e:
+        raise ServiceError(f"the farm service died during `{method}` ({type(e).__name__}); Ray restarts it: "
+                           f"try again in a minute") from e
+
+
+def start_service(store_uri: str, config: ServiceConfig) -> dict[str, Any]:
+    """Start the service and wait until it answers; what it says of itself."""
+    if find_service() is not None:
+        running = call(find_service(), "ping")
+        raise ServiceError(f"a farm service already runs on this cluster (store {running['store']}, since "
+                           f"{running['started_at']}); `farm serve --stop` ends it")
+    try:
+        actor = _RemoteScheduler.options(name=SERVICE, namespace=NAMESPACE, lifetime="detached").remote(store_uri, config)
+    except ValueError as e:  # another `farm serve` won the name meanwhile
+        raise ServiceError(f"a farm service was just started on this cluster by someone else ({e})") from e
+    try:
+        return call(actor, "ping", timeout=START_S)
+    except ServiceError:
+        ray.kill(actor, no_restart=True)
+        raise
+
+
+def stop_service() -> dict[str, Any]:
+    """Stop the service: what became of its jobs and units."""
+    actor = find_service()
+    if actor is None:
+        raise ServiceError("no farm service runs on this cluster; `farm serve` starts one")
+    try:
+        said = call(actor, "stop")
+    finally:
+        ray.kill(actor, no_restart=True)
+    return said

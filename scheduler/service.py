@@ -1,0 +1,228 @@
+"""The farm as a long-lived service for a team: the body of the detached `farm-scheduler` actor
+(scheduler/ray_service.py places it). It holds one pool of warm workers for every job
+(scheduler/shared_pool.py), runs each job handed to it in a thread of its own (plan, run,
+results: scheduler.jobs.execute, as `farm submit` does in its own process), and keeps a record
+of each job in the store (storage/service_jobs.py).
+
+Faults: Ray restarts the actor after it dies (max_restarts=-1). Its workers die with it (they are
+its children); the new one reads the records and runs every job that had not ended again under
+its id. A unit whose manifest was published meanwhile is a hit there, so nothing published is
+compiled again, and the job's results table, written once at its end, has one row per unit.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from dataclasses import asdict
+from typing import Any, Iterator
+
+from scheduler.fair import UnknownPriority, weight_of
+from scheduler.jobs import NoEvents, execute, new_job_id, read_status
+from scheduler.shared_pool import ServiceConfig, SharedPool
+from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, parse_job
+from storage import CacheConfig, Store, StoreError, store_from_uri
+from storage.service_jobs import JobRecord, ServiceJobs, now
+from workers.unit import Gang, Unit, UnitResult
+
+log = logging.getLogger(__name__)
+
+ENDED_SHOWN = 50  # ended jobs `farm jobs` lists
+
+
+class ServiceRunner:
+    """A job's runner (scheduler.jobs.Runner) on the service's shared pool; gangs lend the pool
+    their CPUs while they run (SharedPool.hold)."""
+
+    def __init__(self, pool: SharedPool, job_id: str, priority: str, cap: int | None):
+        self.pool, self.job_id, self.priority, self.cap = pool, job_id, priority, cap
+
+    def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        yield from self.pool.run(self.job_id, self.priority, units, store, events, self.cap)
+
+    def gangs(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        from scheduler.ray_pool import GangRunner
+
+        for gang in gangs:
+            if self.pool.cancelled(self.job_id):
+                yield from self.pool.run(self.job_id, self.priority, list(gang.ranks), store, events, self.cap)
+                continue
+            with self.pool.hold(min(gang.world_size, self.pool.cpus())):
+                yield from GangRunner(self.job_id)([gang], store, events)
+
+
+def local_sources(job: JobSpec) -> list[str]:
+    """Graphs a spec names by a path on the submitting machine: a service cannot read them (and
+    must not read its own host's files for a client); the client uploads them first."""
+    paths = [g.path for g in job.graphs] + [p for g in job.gangs for p in g.paths()]
+    return [p for p in paths if not p.startswith(BLOB_SCHEME) and ("://" not in p or p.startswith("file://"))]
+
+
+class FarmScheduler:
+    def __init__(self, store_uri: str, config: ServiceConfig):
+        from scheduler.ray_pool import RayCluster
+        from scheduler.service_metrics import ServiceMetrics
+
+        self.store = store_from_uri(store_uri, CacheConfig.from_env())
+        self.config = config
+        self.records = ServiceJobs(self.store)
+        self.metrics = ServiceMetrics()
+        self.pool = SharedPool(RayCluster(), self.store.uri, config, on_start=self.metrics.started)
+        self.started_at = now()
+        self._lock = threading.Lock()
+        self._active: dict[str, JobRecord] = {}
+        self._ended: collections.deque[JobRecord] = collections.deque(maxlen=ENDED_SHOWN)
+        self._stopped = False
+        self.resumed = []
+        for record in self.records.all():
+            if record.active:
+                record.resumed += 1
+                self.resumed.append(record.job_id)
+                self._launch(record)
+            else:
+                self._ended.append(record)
+        self.metrics.watch(self._named_load)
+
+    # calls from clients -------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return {"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid(),
+                "config": asdict(self.config), "resumed": list(self.resumed)}
+
+    def submit(self, spec: dict[str, Any], priority: str | None = None, job_id: str | None = None) -> dict[str, Any]:
+        """Accept a job (its graphs already in the store, as blob:// addresses) or say why not."""
+        if self._stopped:
+            return {"error": "the farm service is stopping; start it again with `farm serve`"}
+        try:
+            job = parse_job(spec, "the job handed to the farm service")
+            if priority is not None:
+                weight_of(priority)
+                job = job.model_copy(update={"priority": priority})
+        except (SpecError, UnknownPriority) as e:
+            return {"error": str(e)}
+        local = local_sources(job)
+        if local:
+            return {"error": f"the job names graphs by a path on the submitting machine ({', '.join(local[:3])}); "
+                             f"farm.client.submit uploads them to the store first: submit through it or `farm submit`"}
+        record = JobRecord(job_id or new_job_id(job.name), job.name, job.priority,
+                           job.model_dump(mode="json", exclude={"base_dir"}))
+        with self._lock:
+            if record.job_id in self._active:
+                return {"error": f"job {record.job_id} is already running"}
+        self.records.put(record)
+        self._launch(record)
+        return {"job_id": record.job_id, "priority": record.priority}
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Queued, running and recently ended jobs, oldest first, with progress."""
+        load = self.pool.load()["jobs"]
+        with self._lock:
+            records = list(self._ended) + list(self._active.values())
+        rows = []
+        for record in sorted(records, key=lambda r: (r.submitted_at, r.job_id)):
+            row = record.summary()
+            status = self._status(record.job_id)
+            row.update({k: status.get(k, 0) for k in ("total", "compiled", "hit", "failed", "skipped", "retries")})
+            live = load.get(record.job_id)
+            row["queued"] = live["queued"] if live else 0
+            row["running"] = live["running"] if live else 0
+            rows.append(row)
+        return rows
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        with self._lock:
+            record = self._active.get(job_id)
+            ended = next((r for r in self._ended if r.job_id == job_id), None)
+        if record is None:
+            if ended is not None:
+                return {"error": f"job {job_id} already ended ({ended.state}); nothing to cancel"}
+            return {"error": f"no job {job_id} in this farm service; `farm jobs` lists them"}
+        record.state = "cancelled"
+        self.records.put(record)
+        return {"job_id": job_id, "units_stopped": self.pool.cancel(job_id)}
+
+    def stop(self) -> dict[str, Any]:
+        """End the service: every unit queued or running ends failed (retryable) and every active
+        job is recorded as cancelled, so a later service does not run it again."""
+        self._stopped = True
+        with self._lock:
+            active = list(self._active.values())
+        for record in active:
+            record.state, record.error = "cancelled", "the farm service was stopped"
+            self.records.put(record)
+        counts = self.pool.stop()
+        self.metrics.close()
+        return {"jobs": [r.job_id for r in active], **counts}
+
+    def load(self) -> dict[str, Any]:
+        return self._named_load()
+
+    def _named_load(self) -> dict[str, Any]:
+        load = self.pool.load()
+        with self._lock:
+            names = {j: r.name for j, r in self._active.items()}
+        for job_id, job in load["jobs"].items():
+            job["name"] = names.get(job_id, "job")
+        return load
+
+    def unit_starts(self) -> list[tuple[str, str, float]]:
+        """(job, unit, when) for every unit this scheduler sent to a worker, in order (tests)."""
+        return self.metrics.starts()
+
+    # jobs ---------------------------------------------------------------------------
+    def _status(self, job_id: str) -> dict[str, Any]:
+        try:
+            return read_status(self.store, job_id) or {}
+        except (StoreError, ValueError):
+            return {}
+
+    def _launch(self, record: JobRecord) -> None:
+        with self._lock:
+            self._active[record.job_id] = record
+        threading.Thread(target=self._run, args=(record,), name=f"farm job {record.job_id}", daemon=True).start()
+
+    def _run(self, record: JobRecord) -> None:
+        from scheduler.ray_observe import RayObserver
+
+        try:
+            job = parse_job(record.spec, f"the service's record of job {record.job_id}")
+            if record.state == "queued":
+                record.state = "running"
+                self.records.put(record)
+            runner = ServiceRunner(self.pool, record.job_id, record.priority, job.limits.workers)
+            observer = RayObserver(NoEvents(), job.name, record.job_id, self.store.uri)
+            outcome = execute(job, self.store, runner, observer, record.job_id)
+            observer.done(outcome)
+            if record.state != "cancelled":
+                record.state = "done"
+        except Exception as e:  # noqa: BLE001 - a job's thread has no caller: its record says what stopped it
+            log.exception("farm service: job %s stopped", record.job_id)
+            if record.state != "cancelled":
+                record.state, record.error = "failed", f"{type(e).__name__}: {e}"
+        finally:
+            self.pool.finish(record.job_id)
+            if self._stopped:
+                return
+            record.ended_at = now()
+            self._mark_status(record)
+            try:
+                self.records.put(record)
+                self.records.prune()
+            except StoreError as e:
+                log.warning("farm service: record of job %s not written (%s)", record.job_id, e)
+            with self._lock:
+                self._active.pop(record.job_id, None)
+                self._ended.append(record)
+
+    def _mark_status(self, record: JobRecord) -> None:
+        """A cancelled or failed job's status says so (execute wrote `done`, or nothing)."""
+        if record.state == "done":
+            return
+        import json
+
+        doc = self._status(record.job_id) or {"job_id": record.job_id}
+        doc.update(state=record.state, error=record.error or doc.get("error"), updated_at=now())
+        try:
+            self.store.put_job_file(record.job_id, "status.json", json.dumps(doc, indent=1).encode())
+        except StoreError as e:
+            log.warning("farm service: status of job %s not written (%s)", record.job_id, e)

@@ -1,0 +1,72 @@
+"""A farm service's metrics, through `ray.util.metrics` like the rest (scheduler/ray_observe.py):
+queue wait per unit by priority, queued and running units per job (by name) and priority, and
+the shared pool's workers by state. The Grafana panel: infra/grafana/farm-service.json."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from ray.util.metrics import Gauge, Histogram
+
+WAIT_BOUNDS_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600]
+EVERY_S = 2.0
+_METRICS: dict[str, Any] = {}
+
+
+def _metrics() -> dict[str, Any]:
+    if not _METRICS:
+        _METRICS.update(
+            wait=Histogram("farm_queue_wait_seconds", "seconds a unit waited in a farm service's queue for a worker",
+                           boundaries=WAIT_BOUNDS_S, tag_keys=("priority",)),
+            units=Gauge("farm_service_units", "a farm service's units queued or running, per job name and priority",
+                        tag_keys=("state", "job", "priority")),
+            workers=Gauge("farm_service_workers", "a farm service's shared workers: busy, idle or starting",
+                          tag_keys=("state",)),
+        )
+    return _METRICS
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self._starts: list[tuple[str, str, float]] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._shown: set[tuple[str, str]] = set()  # (job, priority) gauges set, zeroed once the job ends
+
+    def started(self, job: str, unit: str, priority: str, wait_s: float) -> None:
+        _metrics()["wait"].observe(wait_s, tags={"priority": priority})
+        with self._lock:
+            self._starts.append((job, unit, time.time()))
+            del self._starts[:-10_000]
+
+    def starts(self) -> list[tuple[str, str, float]]:
+        with self._lock:
+            return list(self._starts)
+
+    def watch(self, load: Callable[[], dict[str, Any]]) -> None:
+        """Sample the pool's load every EVERY_S seconds until close()."""
+        def loop() -> None:
+            while not self._closed.wait(EVERY_S):
+                self.record(load())
+
+        threading.Thread(target=loop, name="farm service metrics", daemon=True).start()
+
+    def record(self, load: dict[str, Any]) -> None:
+        m = _metrics()
+        for state, n in load["workers"].items():
+            m["workers"].set(n, tags={"state": state})
+        now: dict[tuple[str, str], dict[str, int]] = {}
+        for job in load["jobs"].values():
+            counts = now.setdefault((job["name"], job["priority"]), {"queued": 0, "running": 0})
+            counts["queued"] += job["queued"]
+            counts["running"] += job["running"]
+        for name, priority in self._shown - set(now):
+            now[(name, priority)] = {"queued": 0, "running": 0}
+        for (name, priority), counts in now.items():
+            for state, n in counts.items():
+                m["units"].set(n, tags={"state": state, "job": name, "priority": priority})
+        self._shown = {k for k, v in now.items() if any(v.values())}
+
+    def close(self) -> None:
+        self._closed.set()

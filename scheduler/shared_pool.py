@@ -1,0 +1,461 @@
+"""One pool of warm workers shared by every job a farm service runs (scheduler/service.py).
+
+Unlike a job's own pool (scheduler/pool.py), it outlives jobs: workers stay up between them,
+idle ones beyond `min_workers` stop after `idle_s`. Each job has its own queue; a free worker
+takes its next unit from the job `scheduler.fair.FairShare` picks among those with a unit it can
+build. The rules kept from the per-job pool: a worker that dies mid-unit is replaced and its
+unit re-queued up to `retries` times; a class whose workers die while starting
+`start_attempts` times in a row fails its queued units with the worker's error; a unit running
+WORKER_GRACE_S past its timeout has its worker replaced; every unit is reported exactly once.
+
+Between jobs a worker's sandbox child is renewed (CompileWorker.rest, called when it goes idle,
+and before a unit of another job): no child serves two jobs, and the next one is warm.
+
+A gang needs whole placement groups: `hold(cpus)` lowers the pool's size while it places and
+runs, so workers over it stop as soon as their unit ends (an idle one at once) and Ray can
+reserve the gang's bundles; other jobs keep the workers that are left.
+The cluster's calls go through `scheduler.pool.Cluster` (Ray's: scheduler/ray_pool.py).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from ray.exceptions import RayTaskError
+
+from scheduler.fair import FairShare
+from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error
+from workers.backends import Placement, resolve
+from workers.unit import Unit, UnitLimits, UnitResult
+
+log = logging.getLogger(__name__)
+
+
+def idle_s_from_env() -> float:
+    raw = os.environ.get("FARM_IDLE_S", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FARM_IDLE_S={raw!r} is not a number of seconds; unset it for 300") from None
+    if value < 0:
+        raise ValueError(f"FARM_IDLE_S={raw!r} is negative; give the seconds an idle worker stays up")
+    return value
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    max_workers: int | None = None  # in all; None: every CPU the cluster offers
+    min_workers: int = 0  # kept up while idle
+    idle_s: float = 300.0  # an idle worker beyond min_workers stops after this
+    retries: int = 2
+    start_attempts: int = 3
+
+
+@dataclass
+class _Slot:
+    resource: str
+    index: int
+    generation: int = 0
+    actor: object = None
+    ready: object = None
+    unit: Unit | None = None
+    job: str | None = None
+    retries: int = 0
+    future: object = None
+    started: float = 0.0
+    idle_since: float = field(default_factory=time.monotonic)
+    rested: bool = True  # its child serves no job yet (renewed since its last unit)
+    leaving: bool = False  # stops when its unit ends (the pool shrank under it)
+
+    @property
+    def name(self) -> str:
+        return f"farm-service/worker/{self.resource}/{self.index}.{self.generation}"
+
+    @property
+    def free(self) -> bool:
+        return self.ready is None and self.future is None and not self.leaving
+
+
+@dataclass
+class _Pending:
+    unit: Unit
+    job: str
+    retries: int = 0
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Job:
+    job_id: str
+    priority: str
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    queued: int = 0
+    running: int = 0
+    done: int = 0
+    total: int = 0
+    cancelled: bool = False
+
+
+class SharedPool:
+    """Units of many jobs in; each job's events and results out through its own outbox."""
+
+    def __init__(self, cluster: Cluster, store_uri: str, config: ServiceConfig = ServiceConfig(),
+                 on_start: Callable[[str, str, str, float], None] | None = None):
+        self.cluster, self.store_uri, self.config = cluster, store_uri, config
+        self.fair = FairShare()
+        self.jobs: dict[str, _Job] = {}
+        self.slots: list[_Slot] = []
+        self.queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
+        self._placements: dict[str, tuple[Placement, str, UnitLimits]] = {}
+        self._held = 0  # CPUs lent to gangs
+        self._failed_starts: collections.Counter[str] = collections.Counter()
+        self._next_index = 0
+        self._lock = threading.RLock()
+        self._stopping = False
+        self._cancelled: set[str] = set()  # jobs cancelled, even before their units came
+        self._on_start = on_start or (lambda job, unit, priority, wait_s: None)
+        self._thread = threading.Thread(target=self._loop, name="farm shared pool", daemon=True)
+        self._thread.start()
+
+    # jobs ---------------------------------------------------------------------------
+    def run(self, job_id: str, priority: str, units: list[Unit], store, events, cap: int | None = None
+            ) -> Iterator[tuple[Unit, UnitResult]]:
+        """A runner for one job (scheduler.jobs.Runner): its units queued, its results as they end."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the farm service is stopping; submit again once it is back")
+            early = job_id in self._cancelled  # cancelled while it planned: nothing of it is queued
+            if not early:
+                job = self._queue(job_id, priority, units, cap)
+        if early:
+            for unit in units:
+                result = _cancelled(unit, "cancelled", running=False)
+                events.finished(unit, result)
+                yield unit, result
+            return
+        yield from self._drain(job, len(units), store, events)
+
+    def _queue(self, job_id: str, priority: str, units: list[Unit], cap: int | None) -> _Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = self.jobs[job_id] = _Job(job_id, priority)
+            self.fair.add(job_id, priority, cap)
+        job.total += len(units)
+        for unit in units:
+            placement = _route(unit)
+            if placement is None:  # cannot be placed anywhere: the pipeline says why, at once
+                job.outbox.put(("unplaceable", unit, None))
+                continue
+            self._placements[placement.device_class] = (placement, resolve(unit.target).device, unit.limits)
+            self.queues[placement.device_class].append(_Pending(unit, job_id))
+            job.queued += 1
+        return job
+
+    def _drain(self, job: _Job, expected: int, store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        from workers.pipeline import run_unit  # unplaceable units fail with the pipeline's reason
+        from workers.sandbox.process import Sandbox
+
+        reported = 0
+        while reported < expected:
+            kind, unit, result = job.outbox.get()
+            if kind == "started":
+                events.started(unit)
+            elif kind == "retried":
+                events.retried(unit)
+            else:
+                if kind == "unplaceable":
+                    events.started(unit)
+                    with Sandbox() as sandbox:
+                        result = run_unit(unit, store, sandbox)
+                events.finished(unit, result)
+                reported += 1
+                yield unit, result
+
+    def cancelled(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._cancelled
+
+    def cpus(self) -> int:
+        """The CPUs the pool may use now."""
+        with self._lock:
+            return self._capacity()
+
+    def finish(self, job_id: str) -> None:
+        """The job has every result: forget it."""
+        with self._lock:
+            self.jobs.pop(job_id, None)
+            self.fair.remove(job_id)
+
+    def cancel(self, job_id: str, why: str = "cancelled") -> int:
+        """Drop the job's queued units and stop its running ones (their workers are replaced: a
+        unit cut off before publishing leaves nothing published). Returns how many units ended."""
+        with self._lock:
+            self._cancelled.add(job_id)
+            job = self.jobs.get(job_id)
+            if job is None:
+                return 0
+            job.cancelled = True
+            ended = 0
+            for resource, q in self.queues.items():
+                for p in [p for p in q if p.job == job_id]:
+                    q.remove(p)
+                    job.queued -= 1
+                    self._report(p, _cancelled(p.unit, why, running=False))
+                    ended += 1
+            for slot in self.slots:
+                if slot.job == job_id and slot.future is not None:
+                    p = _Pending(slot.unit, job_id, slot.retries)
+                    self._restart(slot)
+                    self._unit_ended(p)
+                    self._report(p, _cancelled(p.unit, why, running=True))
+                    ended += 1
+            return ended
+
+    @contextlib.contextmanager
+    def hold(self, cpus: int) -> Iterator[None]:
+        """Lend `cpus` of the pool's CPUs to a gang while it runs (see the module's doc)."""
+        with self._lock:
+            self._held += cpus
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= cpus
+
+    def load(self) -> dict[str, Any]:
+        """Per job: priority, queued, running, done; workers busy, idle and starting."""
+        with self._lock:
+            return {"jobs": {j.job_id: {"priority": j.priority, "queued": j.queued, "running": j.running,
+                                        "done": j.done, "total": j.total} for j in self.jobs.values()},
+                    "workers": {"busy": sum(s.future is not None for s in self.slots),
+                                "idle": sum(s.ready is None and s.future is None for s in self.slots),
+                                "starting": sum(s.ready is not None for s in self.slots)}}
+
+    def stop(self, why: str = "the farm service stopped") -> dict[str, int]:
+        """Stop every worker; queued and running units end as failed (retryable), each reported once."""
+        with self._lock:
+            self._stopping = True
+            counts = {"queued": 0, "running": 0}
+            for q in self.queues.values():
+                while q:
+                    p = q.popleft()
+                    self._report(p, _failed(p.unit, f"{why} before it started; submit the job again", retryable=True))
+                    counts["queued"] += 1
+            for slot in self.slots:
+                if slot.future is not None:
+                    p = _Pending(slot.unit, slot.job, slot.retries)
+                    self._report(p, _failed(p.unit, f"{why} while it compiled; nothing of it was published; submit "
+                                                     f"the job again", retryable=True))
+                    counts["running"] += 1
+                    slot.future = slot.unit = None
+            actors = [s.actor for s in self.slots]
+            self.slots.clear()
+        self._thread.join(timeout=10)
+        self.cluster.stop(actors)
+        return counts
+
+    # the dispatcher -----------------------------------------------------------------
+    def _report(self, p: _Pending, result: UnitResult) -> None:
+        job = self.jobs.get(p.job)
+        if job is None:
+            return
+        result.retries = p.retries
+        job.done += 1
+        job.outbox.put(("finished", p.unit, result))
+
+    def _capacity(self) -> int:
+        offered = int(self.cluster.offered().get("CPU", 1))
+        return max(0, min(self.config.max_workers or offered, offered) - self._held)
+
+    def _start(self, slot: _Slot, resource: str) -> None:
+        placement, device, limits = self._placements[resource]
+        slot.resource, slot.generation = resource, slot.generation + 1
+        slot.actor = self.cluster.start(slot.name, placement, self.store_uri, limits, device)
+        slot.ready = self.cluster.ready(slot.actor)
+        slot.unit = slot.future = slot.job = None
+        slot.rested, slot.leaving, slot.idle_since = True, False, time.monotonic()
+
+    def _restart(self, slot: _Slot, resource: str | None = None) -> None:
+        self.cluster.kill(slot.actor)
+        self._start(slot, resource or slot.resource)
+
+    def _retire(self, slot: _Slot) -> None:
+        self.slots.remove(slot)
+        self.cluster.stop([slot.actor])
+
+    def _wanting(self, resource: str) -> set[str]:
+        return {p.job for p in self.queues.get(resource, ())}
+
+    def _take(self, slot: _Slot) -> _Pending | None:
+        """The slot's next unit: the first queued one of the job fair share picks."""
+        q = self.queues.get(slot.resource)
+        if not q:
+            return None
+        job = self.fair.pick(self._wanting(slot.resource))
+        if job is None:
+            return None
+        p = next(p for p in q if p.job == job)
+        q.remove(p)
+        return p
+
+    def _starved(self) -> str | None:
+        """The class with queued units and the fewest workers per queued unit, among those the
+        cluster offers more slots for."""
+        workers = collections.Counter(s.resource for s in self.slots)
+        offered = self.cluster.offered()
+        wanting = [r for r, q in self.queues.items()
+                   if q and workers[r] < min(int(offered.get(r, 0)), len(q) + sum(s.future is not None for s in self.slots
+                                                                                   if s.resource == r))]
+        return min(wanting, key=lambda r: (workers[r] / len(self.queues[r]), r), default=None)
+
+    def _unofferable(self) -> None:
+        """Units of a class no node offers fail at once, with what to do."""
+        offered = self.cluster.offered()
+        for resource in [r for r, q in self.queues.items() if q]:
+            placement = self._placements[resource][0]
+            if int(offered.get(resource, 0)) > 0 and offered.get("GPU", 0) >= placement.gpus:
+                continue
+            gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
+            advice = f"; {placement.unoffered}" if placement.unoffered else ""
+            q = self.queues[resource]
+            while q:
+                p = q.popleft()
+                self.jobs[p.job].queued -= 1
+                self._report(p, _failed(p.unit, f"no Ray node offers resource {resource!r}{gpus}, so nothing could "
+                                                 f"build it; start a node that can with ray start --resources "
+                                                 f"\"$(farm resources)\"{advice}", retryable=True))
+
+    def _assign(self) -> None:
+        now = time.monotonic()
+        self._unofferable()
+        capacity = self._capacity()
+        over = len(self.slots) - capacity
+        for slot in sorted(self.slots, key=lambda s: s.future is not None):  # idle ones leave first
+            if over <= 0:
+                break
+            if slot.future is None:
+                self._retire(slot)
+            else:
+                slot.leaving = True
+            over -= 1
+        for slot in [s for s in self.slots if s.free]:
+            p = self._take(slot)
+            if p is None:
+                target = self._starved()
+                if target is not None and target != slot.resource:
+                    self._restart(slot, target)  # nothing of its class queued: serve the class that waits
+                elif not slot.rested:
+                    self.cluster.rest(slot.actor)
+                    slot.rested = True
+                elif now - slot.idle_since > self.config.idle_s and len(self.slots) > self.config.min_workers:
+                    self._retire(slot)
+                continue
+            job = self.jobs[p.job]
+            job.queued -= 1
+            job.running += 1
+            self.fair.started(p.job)
+            slot.unit, slot.job, slot.retries, slot.started = p.unit, p.job, p.retries, now
+            slot.future, slot.rested = self.cluster.submit(slot.actor, p.unit, p.job), False
+            job.outbox.put(("started", p.unit, None))
+            self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
+        while len(self.slots) < capacity and (resource := self._starved()) is not None:
+            slot = _Slot(resource, self._next_index)
+            self._next_index += 1
+            self._start(slot, resource)
+            self.slots.append(slot)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                try:
+                    self._assign()
+                except Exception:  # a bug here must not stop every job's dispatcher: log and go on
+                    log.exception("farm shared pool: assigning units failed")
+                waiting = [s.ready for s in self.slots if s.ready is not None] + \
+                          [s.future for s in self.slots if s.future is not None]
+            ready = self.cluster.wait(waiting, POLL_S) if waiting else (time.sleep(POLL_S) or [])
+            with self._lock:
+                if self._stopping:
+                    return
+                self._collect(ready)
+
+    def _collect(self, ready: list) -> None:
+        for slot in list(self.slots):
+            if slot.ready is not None and slot.ready in ready:
+                try:
+                    self.cluster.get(slot.ready)
+                    slot.ready, slot.idle_since = None, time.monotonic()
+                    self._failed_starts[slot.resource] = 0
+                except DIED as e:
+                    self._failed_starts[slot.resource] += 1
+                    if self._failed_starts[slot.resource] < self.config.start_attempts:
+                        self._restart(slot)
+                    else:
+                        self._give_up(slot, _worker_error(e))
+        now = time.monotonic()
+        for slot in list(self.slots):
+            if slot.future is None:
+                continue
+            p = _Pending(slot.unit, slot.job, slot.retries)
+            if slot.future in ready:
+                try:
+                    result = self.cluster.get(slot.future)
+                except DIED as e:
+                    self._restart(slot)
+                    self._unit_ended(p)
+                    if p.retries < self.config.retries and p.job in self.jobs and not self.jobs[p.job].cancelled:
+                        self.queues[slot.resource].appendleft(_Pending(p.unit, p.job, p.retries + 1))
+                        self.jobs[p.job].queued += 1
+                        self.jobs[p.job].outbox.put(("retried", p.unit, None))
+                        continue
+                    result = _failed(p.unit, f"its worker died {p.retries + 1} times (last: {type(e).__name__}); "
+                                             f"see the Ray dashboard's logs for the node", retryable=True)
+                    self._report(p, result)
+                    continue
+                except RayTaskError as e:
+                    result = _failed(p.unit, f"worker raised {e.cause!r}")
+                slot.unit = slot.future = slot.job = None
+                slot.idle_since = now
+            elif now - slot.started > (limit := p.unit.limits.timeout_s) + WORKER_GRACE_S:
+                self._restart(slot)
+                result = _failed(p.unit, f"timeout: still running {WORKER_GRACE_S:g}s after its {limit:g}s limit, "
+                                         f"outside its sandbox; its worker was replaced")
+            else:
+                continue
+            self._unit_ended(p)
+            self._report(p, result)
+            if slot.leaving and slot in self.slots:
+                self._retire(slot)
+
+    def _unit_ended(self, p: _Pending) -> None:
+        job = self.jobs.get(p.job)
+        if job is not None:
+            job.running -= 1
+        self.fair.stopped(p.job)
+
+    def _give_up(self, slot: _Slot, error: str) -> None:
+        for other in [s for s in self.slots if s.resource == slot.resource and s.future is None]:
+            self.cluster.kill(other.actor)
+            self.slots.remove(other)
+        q = self.queues.pop(slot.resource, collections.deque())
+        for p in q:
+            self.jobs[p.job].queued -= 1
+            self._report(p, _failed(p.unit, f"workers for {slot.resource} died while starting "
+                                             f"{self.config.start_attempts} times in a row; the last said: {error}",
+                                    retryable=True))
+        self._failed_starts[slot.resource] = 0
+
+
+def _cancelled(unit: Unit, why: str, running: bool) -> UnitResult:
+    how = "stopped while it compiled; nothing of it was published" if running else "dropped from the queue"
+    return UnitResult(unit.graph, unit.target.label, "skipped", error=f"graph {unit.graph} ({unit.target.label}): "
+                                                                      f"{why}: {how}")
