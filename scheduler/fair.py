@@ -4,7 +4,7 @@ serves next. Pure rules, no Ray (tests/test_fair.py).
 Each job has a priority class with a weight (PRIORITY_WEIGHTS). A free worker goes to the job,
 among those with a unit it can build, that has the fewest running units per unit of weight; on a
 tie, to the one that has been served least per unit of weight (its virtual time), then to the
-oldest. So:
+higher class, then to the oldest. So:
 - a job that runs nothing wins over every job that runs something: a 1-unit interactive job
   starts as soon as one worker frees, whatever else is queued;
 - nothing starves: every running job either runs a unit or, on one worker, advances its virtual
@@ -74,7 +74,7 @@ class FairShare:
         """The job a free worker serves next, among those with a unit it can take; None if every
         one of them is at its cap."""
         open_ = [self.shares[j] for j in set(wanting) if j in self.shares and not self.shares[j].capped]
-        best = min(open_, key=lambda s: (s.running / s.weight, s.served, s.order), default=None)
+        best = min(open_, key=lambda s: (s.running / s.weight, s.served, -s.weight, s.order), default=None)
         return best.job_id if best else None
 
     def started(self, job_id: str) -> None:

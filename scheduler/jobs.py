@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
 ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
+WRITE_EVERY_S = 1.0  # status.json is written at most this often, and a change at most this late
+ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
 TRANSIENT_PAUSE_S = 5.0  # before the first run again of units the store failed; doubles each round
 KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
 
@@ -131,12 +133,22 @@ class StatusFile:
                                     "retries": 0, "running_units": []}
         self._running: dict[str, dict[str, Any]] = {}
         self._written = 0.0
+        self._lock = threading.RLock()  # events come from the job's thread, a late write from a timer's
+        self._later: threading.Timer | None = None
         self.write(force=True)
 
     def write(self, force: bool = False) -> None:
         """Progress for watchers: a write the store refuses is logged and made up by the next one,
-        never a reason to stop the job."""
-        if force or time.monotonic() - self._written > 1.0:
+        never a reason to stop the job. A change within a second of the last write is written
+        when that second is up (so a unit that starts right after another ended shows as running)."""
+        with self._lock:
+            wait = WRITE_EVERY_S - (time.monotonic() - self._written)
+            if not force and wait > 0:
+                if self._later is None:
+                    self._later = threading.Timer(wait, self._write_later)
+                    self._later.daemon = True
+                    self._later.start()
+                return
             self.doc["updated_at"] = _now()
             self.doc["running_units"] = list(self._running.values())
             try:
@@ -146,52 +158,69 @@ class StatusFile:
                 return
             self._written = time.monotonic()
 
+    def end(self, **fields: Any) -> None:
+        """The job's final state, written now."""
+        with self._lock:
+            self.doc.update(fields)
+            self.write(force=True)
+
+    def _write_later(self) -> None:
+        with self._lock:
+            self._later = None
+            if self.doc["state"] == "running":  # a final state was written (forced) meanwhile: nothing is late
+                self.write(force=True)
     def planned(self, units: list[Unit]) -> None:
-        # the programs in flight: a job record refers to them, so the store's collector keeps them
-        # until the units that need them have published (storage/gc.py)
-        programs = sorted({u.program.digest for u in units if u.program is not None})
-        self.doc.update(state="running", total=len(units), queued=len(units), programs=programs)
-        self.write(force=True)
+        with self._lock:
+            # the programs in flight: a job record refers to them, so the store's collector keeps them
+            # until the units that need them have published (storage/gc.py)
+            programs = sorted({u.program.digest for u in units if u.program is not None})
+            self.doc.update(state="running", total=len(units), queued=len(units), programs=programs)
+            self.write(force=True)
         self.inner.planned(units)
 
     def started(self, unit: Unit) -> None:
-        self.doc["queued"] -= 1
-        self.doc["running"] += 1
-        self._running[unit.unit_id] = {"graph": unit.graph, "target": unit.target.label, "since": time.time()}
-        self.write()
+        with self._lock:
+            self.doc["queued"] -= 1
+            self.doc["running"] += 1
+            self._running[unit.unit_id] = {"graph": unit.graph, "target": unit.target.label, "since": time.time()}
+            self.write()
         self.inner.started(unit)
 
     def retried(self, unit: Unit) -> None:
-        self._running.pop(unit.unit_id, None)
-        self.doc["running"] -= 1
-        self.doc["queued"] += 1
-        self.doc["retries"] += 1
-        self.write()
+        with self._lock:
+            self._running.pop(unit.unit_id, None)
+            self.doc["running"] -= 1
+            self.doc["queued"] += 1
+            self.doc["retries"] += 1
+            self.write()
         self.inner.retried(unit)
 
     def ran_again(self, unit: Unit, previous: UnitResult) -> None:
-        self.doc[previous.status] -= 1
-        self.doc["queued"] += 1
-        self.doc["retries"] += 1
-        self.write()
+        with self._lock:
+            self.doc[previous.status] -= 1
+            self.doc["queued"] += 1
+            self.doc["retries"] += 1
+            self.write()
         self.inner.ran_again(unit, previous)
 
     def load(self, queued: dict[str, int], busy: dict[str, int], idle: dict[str, int]) -> None:
-        self.doc["device_classes"] = {c: {"queued": queued.get(c, 0), "busy": busy.get(c, 0), "idle": idle.get(c, 0)}
-                                      for c in sorted(set(queued) | set(busy) | set(idle))}
+        with self._lock:
+            self.doc["device_classes"] = {c: {"queued": queued.get(c, 0), "busy": busy.get(c, 0), "idle": idle.get(c, 0)}
+                                          for c in sorted(set(queued) | set(busy) | set(idle))}
         self.inner.load(queued, busy, idle)
 
     def finished(self, unit: Unit, result: UnitResult) -> None:
-        self._running.pop(unit.unit_id, None)
-        if self.doc["running"] > 0:
-            self.doc["running"] -= 1
-        else:  # failed before it ever started (could not be placed)
-            self.doc["queued"] -= 1
-        self.doc[result.status] += 1
-        # what the job's results will name, referred to from now on: the store's collector keeps
-        # a finished unit's blobs while the job runs, before its results table is written
-        self.doc.setdefault("blobs", []).extend(ref.digest for ref in (result.artifact, result.log, result.trace) if ref)
-        self.write()
+        with self._lock:
+            self._running.pop(unit.unit_id, None)
+            if self.doc["running"] > 0:
+                self.doc["running"] -= 1
+            else:  # failed before it ever started (could not be placed)
+                self.doc["queued"] -= 1
+            self.doc[result.status] += 1
+            # what the job's results will name, referred to from now on: the store's collector keeps
+            # a finished unit's blobs while the job runs, before its results table is written
+            self.doc.setdefault("blobs", []).extend(ref.digest for ref in (result.artifact, result.log, result.trace) if ref)
+            self.write()
         self.inner.finished(unit, result)
 
 
@@ -226,8 +255,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     try:
         check_specializations(job, store, units)
     except SpecError as e:
-        status.doc.update(state="rejected", error=str(e))
-        status.write(force=True)
+        status.end(state="rejected", error=str(e))
         raise
     status.planned(units + [u for gang in gangs for u in gang.ranks])
     done = _again_if_transient(runner, units, store, status, job.limits.retries) + list(run_gangs(runner, gangs, store, status))
@@ -239,8 +267,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     outcome.stats = JobStats.from_rows(rows)
     write_stats(store, outcome.job_id, outcome.stats)
     store.put_job_file(outcome.job_id, KEYS_FILE, json.dumps(_keys(outcome.results), indent=1).encode())
-    status.doc.update(state="done", wall_s=round(outcome.wall_s, 3))
-    status.write(force=True)
+    status.end(state="done", wall_s=round(outcome.wall_s, 3))
     return outcome
 
 

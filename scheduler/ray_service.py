@@ -4,10 +4,11 @@ the service; the client (farm/client.py) reaches it through here and imports no 
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from scheduler.service import FarmScheduler
 from scheduler.shared_pool import ServiceConfig
@@ -37,14 +38,21 @@ def find_service() -> Any | None:
 
 def call(actor: Any, method: str, *args: Any, timeout: float = CALL_S) -> Any:
     """A call on the service; a scheduler that is restarting is waited for up to `timeout`."""
-    try:
-        return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
-    except GetTimeoutError as e:
-        raise ServiceError(f"the farm service did not answer `{method}` within {timeout:g}s; "
-                           f"`ray list actors --filter name={SERVICE}` shows its state") from e
-    except RayActorError as e:
-        raise ServiceError(f"the farm service died during `{method}` ({type(e).__name__}); Ray restarts it: "
-                           f"try again in a minute") from e
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(getattr(actor, method).remote(*args), timeout=max(1.0, deadline - time.monotonic()))
+        except GetTimeoutError as e:
+            raise ServiceError(f"the farm service did not answer `{method}` within {timeout:g}s; "
+                               f"`ray list actors --filter name={SERVICE}` shows its state") from e
+        except ActorUnavailableError as e:  # restarting: Ray brings it back (max_restarts=-1)
+            if time.monotonic() > deadline:
+                raise ServiceError(f"the farm service is restarting and did not answer `{method}` within "
+                                   f"{timeout:g}s; try again in a minute") from e
+            time.sleep(0.5)
+        except RayActorError as e:
+            raise ServiceError(f"the farm service died during `{method}` ({type(e).__name__}); "
+                               f"`farm serve` starts it again") from e
 
 
 def start_service(store_uri: str, config: ServiceConfig) -> dict[str, Any]:

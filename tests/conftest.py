@@ -22,7 +22,7 @@ _bucket_ids = itertools.count()
 # cluster; the README recipe's cluster and the embedded Ray take Ray's default ports. Every other
 # module is a group of its own, so its module fixtures (a compiled store, say) are made once.
 RAY_MODULES = {"test_cluster_recipe", "test_cuda_targets", "test_gang", "test_nightly", "test_observe", "test_ray_farm",
-               "test_sandbox", "test_serialized_targets"}
+               "test_sandbox", "test_serialized_targets", "test_service"}
 
 
 def pytest_xdist_make_scheduler(config, log):

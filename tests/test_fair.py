@@ -1,0 +1,165 @@
+"""Fair share between a farm service's jobs (scheduler/fair.py) and the shared pool's rules
+(scheduler/shared_pool.py) on a fake cluster: fast, no Ray. The service on a real Ray cluster:
+tests/test_service.py."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from scheduler.fair import PRIORITY_WEIGHTS, FairShare, UnknownPriority
+from scheduler.jobs import NoEvents
+from scheduler.shared_pool import ServiceConfig, SharedPool
+from storage import BlobRef
+from tests.test_pool import FakeCluster
+from workers.unit import Target, Unit, UnitLimits
+
+
+def _unit(graph: str) -> Unit:
+    return Unit(graph, f"{graph}.pt2", Target("aoti-cpu", "avx2"), BlobRef("0" * 64, 1), limits=UnitLimits())
+
+
+def _serve(fair: FairShare, wanting: dict[str, int], workers: int, rounds: int) -> list[str]:
+    """Run `rounds` units on `workers` workers, each unit one tick long; which job each went to."""
+    running: list[str] = []
+    order = []
+    for _ in range(rounds):
+        while len(running) < workers:
+            job = fair.pick([j for j, n in wanting.items() if n > 0])
+            if job is None:
+                break
+            wanting[job] -= 1
+            fair.started(job)
+            running.append(job)
+            order.append(job)
+        if running:
+            fair.stopped(running.pop(0))
+    return order
+
+
+def test_a_job_that_runs_nothing_gets_the_next_worker_whatever_its_class():
+    fair = FairShare()
+    fair.add("nightly", "nightly")
+    fair.started("nightly")
+    fair.started("nightly")
+    fair.add("one-graph", "interactive")
+    assert fair.pick(["nightly", "one-graph"]) == "one-graph"
+    fair.add("late-nightly", "nightly")
+    fair.started("one-graph")
+    assert fair.pick(["nightly", "one-graph", "late-nightly"]) == "late-nightly"
+
+
+def test_nothing_starves_under_a_steady_stream_of_interactive_work():
+    fair = FairShare()
+    fair.add("nightly", "nightly")
+    fair.add("people", "interactive")
+    order = _serve(fair, {"nightly": 1000, "people": 1000}, workers=1, rounds=340)
+    share = Counter(order)
+    assert share["nightly"] > 0
+    ratio = share["people"] / share["nightly"]
+    weights = PRIORITY_WEIGHTS["interactive"] / PRIORITY_WEIGHTS["nightly"]
+    assert weights * 0.8 <= ratio <= weights * 1.2, share
+
+
+def test_jobs_of_one_class_share_equally_and_a_cap_holds():
+    fair = FairShare()
+    fair.add("a", "batch")
+    fair.add("b", "batch")
+    share = Counter(_serve(fair, {"a": 100, "b": 100}, workers=4, rounds=40))
+    assert abs(share["a"] - share["b"]) <= 1, share
+    fair = FairShare()
+    fair.add("capped", "interactive", cap=1)
+    fair.add("other", "nightly")
+    fair.started("capped")
+    assert fair.pick(["capped", "other"]) == "other"
+    fair.started("other")
+    fair.started("other")
+    assert fair.pick(["capped"]) is None
+
+
+def test_an_unknown_priority_is_refused_with_the_choices():
+    with pytest.raises(UnknownPriority, match="interactive, batch, nightly"):
+        FairShare().add("j", "urgent")
+
+
+class Outbox(NoEvents):
+    def __init__(self):
+        self.finished_units: list[str] = []
+
+    def finished(self, unit, result):
+        self.finished_units.append(unit.unit_id)
+
+
+def _run_job(pool: SharedPool, job: str, priority: str, units, box: dict) -> threading.Thread:
+    def go():
+        box[job] = list(pool.run(job, priority, units, None, Outbox()))
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_the_shared_pool_starts_a_short_job_before_a_long_jobs_remaining_units():
+    release = threading.Event()
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
+    submit = cluster.submit
+
+    def gated(actor, unit, job=None):  # a unit runs until the test lets it end
+        future = submit(actor, unit, job)
+        future.done = False
+        threading.Thread(target=lambda: (release.wait(), time.sleep(0.05), setattr(future, "done", True))).start()
+        return future
+
+    cluster.submit = gated
+    starts: list[str] = []
+    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=60), on_start=lambda job, unit, p, w: starts.append(job))
+    box: dict = {}
+    long = _run_job(pool, "nightly", "nightly", [_unit(f"g{i}") for i in range(4)], box)
+    deadline = time.monotonic() + 10
+    while not starts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    short = _run_job(pool, "mine", "interactive", [_unit("mine")], box)
+    time.sleep(0.2)
+    release.set()
+    long.join(10)
+    short.join(10)
+    pool.stop()
+    assert starts[0] == "nightly" and starts[1] == "mine", starts
+    assert len(box["nightly"]) == 4 and len(box["mine"]) == 1
+
+
+def test_cancel_drops_queued_units_and_stops_running_ones_each_reported_once():
+    cluster = FakeCluster(runs=lambda u, n: "hang")
+    cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
+    pool = SharedPool(cluster, "mem://", ServiceConfig())
+    box: dict = {}
+    t = _run_job(pool, "j", "batch", [_unit(f"g{i}") for i in range(3)], box)
+    deadline = time.monotonic() + 10
+    while pool.load()["jobs"].get("j", {}).get("running", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.cancel("j") == 3
+    t.join(10)
+    results = box["j"]
+    assert sorted(u.graph for u, _ in results) == ["g0", "g1", "g2"]
+    assert all(r.status == "skipped" and "cancelled" in r.error for _, r in results)
+    assert any("nothing of it was published" in r.error for _, r in results)
+    assert cluster.killed, "the running unit's worker was not stopped"
+    pool.stop()
+
+
+def test_idle_workers_rest_then_stop_and_a_job_cancelled_while_planning_queues_nothing():
+    cluster = FakeCluster()
+    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=0.3))
+    box: dict = {}
+    _run_job(pool, "j", "batch", [_unit("a"), _unit("b")], box).join(10)
+    deadline = time.monotonic() + 10
+    while pool.slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pool.slots, "idle workers did not stop after idle_s"
+    assert cluster.rested, "an idle worker's sandbox child was not renewed"
+    pool.cancel("later")
+    _run_job(pool, "later", "batch", [_unit("c")], box).join(10)
+    assert [r.status for _, r in box["later"]] == ["skipped"]
+    pool.stop()

@@ -1,0 +1,178 @@
+"""The farm as a service on a real two-node Ray cluster (tests/raycluster.py): jobs share its
+warm workers by priority, survive their client and the scheduler's death, can be cancelled, and
+bad requests are refused with the reason. No test here asserts a speed: order is judged by the
+recorded start times."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from farm import client
+from farm.service_client import ServiceRefused, connect
+from scheduler.ray_service import SERVICE, ServiceError, call, find_service, start_service, stop_service
+from scheduler.shared_pool import ServiceConfig
+from scheduler.spec import SpecError
+from storage import store_from_uri
+from storage.results import read_results
+
+pytestmark = pytest.mark.slow
+
+CHEAP = "core-aten"  # a real lowering, seconds each; its class (x86-64) has one slot on the test cluster
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("service-store"))
+    if find_service() is not None:  # left by an earlier run that was killed
+        stop_service()
+    start_service(store, ServiceConfig(idle_s=600))
+    yield connect(ray_cluster.address)
+    if find_service() is not None:
+        stop_service()
+
+
+def farm_cmd(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "farm", *args], capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def _job(zoo_dir, graphs, name, target=CHEAP, **extra) -> dict:
+    return {"name": name, "graphs": [str(zoo_dir / f"{g}.pt2") for g in graphs], "targets": [target], **extra}
+
+
+def _wait(handle, timeout=600) -> dict:
+    handle.wait(timeout=timeout, every=0.5)
+    doc = handle.status()
+    assert doc["state"] in ("done", "cancelled", "failed"), doc
+    return doc
+
+
+def test_a_short_job_starts_before_the_long_jobs_remaining_units(service, ray_cluster, zoo_dir):
+    graphs = ["mlp", "cnn", "encoder_block", "gpt"]
+    long = client.submit(_job(zoo_dir, graphs, "nightly-zoo", priority="nightly"), address=ray_cluster.address,
+                         wait=False)
+    deadline = time.monotonic() + 300
+    while not any(j == long.job_id for j, _, _ in call(service.actor, "unit_starts")):
+        assert time.monotonic() < deadline, "the long job never started"
+        time.sleep(0.2)
+    short = client.submit(_job(zoo_dir, ["mlp"], "mine", target="core-aten", verify={"atol": 0.5}),
+                          address=ray_cluster.address, wait=False, priority="interactive")
+    assert _wait(short)["state"] == "done"
+    assert _wait(long)["state"] == "done"
+    starts = call(service.actor, "unit_starts")
+    (short_start,) = [t for j, _, t in starts if j == short.job_id]
+    queued_at = json.loads(short.store.get_job_file(short.job_id, "status.json"))["started_at"]
+    long_starts = [t for j, _, t in starts if j == long.job_id]
+    # every long unit that started after the short one was queued started after it
+    assert [t for t in long_starts if t > short_start] or len(long_starts) == len(graphs), starts
+    assert not [t for t in long_starts if _iso(queued_at) + 1 < t < short_start], (queued_at, starts)
+    rows = read_results(short.store, long.job_id)
+    assert sorted(r["graph"] for r in rows) == sorted(graphs) and all(r["status"] in ("compiled", "hit") for r in rows)
+
+
+def _iso(text: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(text).timestamp()
+
+
+def test_two_jobs_with_one_key_in_flight_compile_it_once(service, ray_cluster, zoo_dir):
+    spec = _job(zoo_dir, ["cnn"], "twin", target="aoti-cpu:avx2")
+    a = client.submit(spec, address=ray_cluster.address, wait=False)
+    b = client.submit(spec, address=ray_cluster.address, wait=False)
+    _wait(a), _wait(b)
+    rows = read_results(a.store, a.job_id) + read_results(b.store, b.job_id)
+    assert sorted(r["status"] for r in rows) == ["compiled", "hit"], [(r["status"], r["error"]) for r in rows]
+    assert rows[0]["key"] == rows[1]["key"]
+
+
+def test_a_killed_scheduler_resumes_its_jobs_and_compiles_nothing_twice(service, ray_cluster, zoo_dir):
+    graphs = ["mlp", "cnn", "encoder_block", "gpt"]  # cnn compiled for avx2 above: a hit
+    handle = client.submit(_job(zoo_dir, graphs, "survivor", target="aoti-cpu:avx2"), address=ray_cluster.address,
+                           wait=False)
+    deadline = time.monotonic() + 300
+    while handle.status().get("compiled", 0) + handle.status().get("hit", 0) < 1:
+        assert time.monotonic() < deadline, "no unit ended"
+        time.sleep(0.3)
+    before = set(handle.store.manifest_keys())
+    ray.kill(find_service(), no_restart=False)  # as a crash would; Ray restarts it
+    assert _wait(handle)["state"] == "done"
+    rows = read_results(handle.store, handle.job_id)
+    assert sorted(r["graph"] for r in rows) == sorted(graphs)  # one result per unit
+    assert all(r["status"] in ("compiled", "hit") for r in rows), [r["error"] for r in rows]
+    assert all(r["status"] == "hit" for r in rows if r["key"] in before), rows
+    assert handle.job_id in call(find_service(), "ping")["resumed"]
+
+
+def test_cancel_stops_a_job_and_leaves_nothing_half_published(service, ray_cluster, zoo_dir):
+    graphs = ["mlp", "cnn", "encoder_block", "gpt"]
+    handle = client.submit(_job(zoo_dir, graphs, "cancelled", target="aoti-cpu:x86-64"), address=ray_cluster.address,
+                           wait=False)
+    deadline = time.monotonic() + 300
+    while handle.status().get("running", 0) < 1:
+        assert handle.status()["state"] not in ("done", "failed"), [r["error"] for r in read_results(handle.store, handle.job_id)]
+        assert time.monotonic() < deadline, ("the job never ran a unit", call(service.actor, "load"), service.jobs())
+        time.sleep(0.2)
+    said = service.cancel(handle.job_id)
+    assert said["units_stopped"] >= 1
+    assert _wait(handle)["state"] == "cancelled"
+    rows = read_results(handle.store, handle.job_id)
+    assert sorted(r["graph"] for r in rows) == sorted(graphs)
+    assert any(r["status"] == "skipped" and "cancelled" in r["error"] for r in rows)
+    for key in handle.store.manifest_keys():
+        assert handle.store.complete_manifest(key)[1] is None
+    with pytest.raises(ServiceRefused, match="already ended"):
+        service.cancel(handle.job_id)
+    with pytest.raises(ServiceRefused, match="no job nope"):
+        service.cancel("nope")
+    listed = {j["job_id"]: j for j in service.jobs()}
+    assert listed[handle.job_id]["state"] == "cancelled" and listed[handle.job_id]["priority"] == "batch"
+
+
+def test_a_client_that_goes_away_leaves_its_job_running_and_imports_no_torch(service, ray_cluster, zoo_dir, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps(_job(zoo_dir, ["mlp"], "orphan", verify={"atol": 0.5})))
+    code = ("import sys; from farm import client; "
+            f"h = client.submit({str(spec)!r}, address={ray_cluster.address!r}, wait=False); "
+            "print(h.job_id, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**ray_cluster.env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    job_id, torch_imported = out.stdout.split()[-2:]
+    assert torch_imported == "False"
+    handle = client.job(job_id, service.store())
+    assert _wait(handle)["state"] == "done"
+    assert [r["status"] for r in read_results(handle.store, job_id)] in (["compiled"], ["hit"])
+
+
+def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_dir, tmp_path):
+    before = [j["job_id"] for j in service.jobs()]
+    with pytest.raises(SpecError, match="priority"):
+        client.submit({**_job(zoo_dir, ["mlp"], "bad"), "priority": "urgent"}, address=ray_cluster.address)
+    with pytest.raises(ServiceRefused, match="unknown priority 'urgent'"):
+        client.submit(_job(zoo_dir, ["mlp"], "bad"), address=ray_cluster.address, priority="urgent")
+    with pytest.raises(SpecError, match="targets"):
+        client.submit({"graphs": [str(zoo_dir / "mlp.pt2")]}, address=ray_cluster.address)
+    said = call(service.actor, "submit", {"graphs": ["/etc/passwd"], "targets": [CHEAP]}, None)
+    assert "path on the submitting machine" in said["error"]
+    with pytest.raises(ServiceRefused, match="keeps its artifacts in"):
+        client.submit(_job(zoo_dir, ["mlp"], "bad"), address=ray_cluster.address, store=str(tmp_path / "other"))
+    assert [j["job_id"] for j in service.jobs()] == before
+    with pytest.raises(ServiceError, match="already runs"):
+        start_service(str(tmp_path / "second"), ServiceConfig())
+    assert call(find_service(), "ping")["store"] == service.store_uri
+    env = {**ray_cluster.env, "RAY_ADDRESS": ""}
+    twice = farm_cmd(["serve", "--address", ray_cluster.address, "--store", str(tmp_path / "x")], env=env)
+    assert twice.returncode == 2 and "already runs" in twice.stdout + twice.stderr
+    nothing = farm_cmd(["serve", "--address", "127.0.0.1:9"], env=env)
+    assert nothing.returncode == 2 and "nothing answers" in nothing.stdout + nothing.stderr
+    unknown = farm_cmd(["cancel", "no-such-job", "--address", ray_cluster.address], env=env)
+    assert unknown.returncode == 2 and "no job no-such-job" in unknown.stdout + unknown.stderr
+    listed = farm_cmd(["jobs", "--json", "--address", ray_cluster.address], env=env)
+    assert listed.returncode == 0 and {j["job_id"] for j in json.loads(listed.stdout)} == set(before)
+    assert SERVICE == "farm-scheduler"
