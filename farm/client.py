@@ -21,7 +21,7 @@ import pyarrow as pa
 from farm.service_client import job_spec
 from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
-from scheduler.jobs import ENDED, Events, JobOutcome, NoEvents, execute, new_job_id, read_status
+from scheduler.jobs import ENDED, Events, JobOutcome, NoEvents, execute, new_job_id, read_outcome, read_status
 from scheduler.spec import JobSpec, load_job, parse_job
 from storage import Store, UnknownKey
 from storage.results import read_results_table
@@ -95,6 +95,8 @@ class JobHandle:
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self.done() and (deadline is None or time.monotonic() < deadline):
                 time.sleep(every)
+            if self.done():
+                self.outcome = read_outcome(self.store, self.job_id)
         if self._error is not None:
             raise self._error
         return self

@@ -108,7 +108,7 @@ def _jobs(run_id: str, ready: list[Exported]) -> list[tuple[dict[str, Any], list
     for e in ready:
         m = e.entry
         groups[(m.targets, m.atol, m.rtol, m.modules)].append(e)
-    return [({"name": f"{run_id}-{i}", "targets": list(targets), "modules": list(modules),
+    return [({"name": f"{run_id}-{i}", "priority": "nightly", "targets": list(targets), "modules": list(modules),
               "verify": {"atol": atol, "rtol": rtol},
               "graphs": [{"path": str(e.path), "name": e.entry.name} for e in group]}, group)
             for i, ((targets, atol, rtol, modules), group) in enumerate(groups.items())]

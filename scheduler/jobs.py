@@ -33,7 +33,8 @@ ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it wi
 WRITE_EVERY_S = 1.0  # status.json is written at most this often, and a change at most this late
 ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
 TRANSIENT_PAUSE_S = 5.0  # before the first run again of units the store failed; doubles each round
-KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
+KEYS_FILE = "keys.json"
+OUTCOME_FILE = "outcome.json"  # every unit's whole result, for a client that did not run the job itself  # every unit's key and its components, so `farm explain --job` can diff misses
 
 
 class Events(Protocol):
@@ -267,6 +268,8 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     outcome.stats = JobStats.from_rows(rows)
     write_stats(store, outcome.job_id, outcome.stats)
     store.put_job_file(outcome.job_id, KEYS_FILE, json.dumps(_keys(outcome.results), indent=1).encode())
+    store.put_job_file(outcome.job_id, OUTCOME_FILE, json.dumps(
+        {"wall_s": outcome.wall_s, "results": [r.to_dict() for r in outcome.results]}, default=str).encode())
     status.end(state="done", wall_s=round(outcome.wall_s, 3))
     return outcome
 
@@ -279,6 +282,17 @@ def _keys(results: list[UnitResult]) -> list[dict[str, Any]]:
 def read_keys(store: Store, job_id: str) -> list[dict[str, Any]] | None:
     data = store.get_job_file(job_id, KEYS_FILE)
     return None if data is None else json.loads(data)
+
+
+def read_outcome(store: Store, job_id: str) -> JobOutcome | None:
+    """A finished job's outcome as its runner wrote it (a farm service's job, read by its client)."""
+    data = store.get_job_file(job_id, OUTCOME_FILE)
+    if data is None:
+        return None
+    doc = json.loads(data)
+    results = [UnitResult.from_dict(r) for r in doc["results"]]
+    rows = [r.to_row(job_id) for r in results]
+    return JobOutcome(job_id, store.uri, results, doc["wall_s"], JobStats.from_rows(rows))
 
 
 def read_status(store: Store, job_id: str) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ class RayCluster:
     head_resources: dict[str, float]
     node_resources: dict[str, float]
     dashboard: str  # the head's dashboard (Jobs API), http://HEAD_IP:PORT
+    metrics: tuple[str, ...] = ()  # each node's Prometheus endpoint, http://IP:PORT/metrics
 
     def stop(self) -> None:
         subprocess.run([_ray(), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
@@ -47,19 +48,22 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, n
         # a fresh Inductor cache: compiles in these tests really compile
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_metrics_report_interval_ms": "2000",  # a metric reaches the nodes' endpoints within seconds
     }
     # agents on ports of their own: Ray's default (52365) stays free for an embedded Ray's job agent
     dashboard_port = _free_port(HEAD_IP)
+    metrics = (_free_port(HEAD_IP), _free_port(NODE_IP))
     head = [_ray(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
             f"--resources={json.dumps(head_resources)}", f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
             "--include-dashboard=true", f"--dashboard-host={HEAD_IP}", f"--dashboard-port={dashboard_port}",
-            "--disable-usage-stats"]
+            "--disable-usage-stats", f"--metrics-export-port={metrics[0]}"]
     node = [_ray(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
             f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats",
-            f"--dashboard-agent-listen-port={_free_port(NODE_IP)}"]
+            f"--dashboard-agent-listen-port={_free_port(NODE_IP)}", f"--metrics-export-port={metrics[1]}"]
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
             raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources, f"http://{HEAD_IP}:{dashboard_port}")
+    return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources, f"http://{HEAD_IP}:{dashboard_port}",
+                      (f"http://{HEAD_IP}:{metrics[0]}/metrics", f"http://{NODE_IP}:{metrics[1]}/metrics"))

@@ -87,3 +87,17 @@ def test_the_bucket_lifecycle_rules_abort_incomplete_uploads_and_expire_only_by_
               if "Expiration" in r}
     assert expire["zoo/blobs/"] > expire["zoo/units/"]  # a unit's manifest goes before its blobs
     assert not [r for r in rules["lifecycle.json"] if r["Filter"]["Prefix"].endswith(("units/", "blobs/"))]
+
+
+def test_a_job_starts_the_farm_service_on_the_cluster_with_the_nightlys_store():
+    (job,) = _docs("job-serve.yaml")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[:2] == ["farm", "serve"] and command[command.index("--address") + 1] == "farm-head-svc:6379"
+    (cluster,) = _docs("raycluster.yaml")
+    assert cluster["metadata"]["name"] + "-head-svc" == command[command.index("--address") + 1].split(":")[0]
+    nightly = _docs("rayjob-nightly.yaml")[0]["spec"]["entrypoint"].split()
+    assert command[command.index("--store") + 1] == nightly[nightly.index("--store") + 1]  # one store, one service
+    assert container["image"] == "ghcr.io/pt2-farm/farm:cpu"
+    assert {"name": "farm-s3"} in [e["secretRef"] for e in container["envFrom"]]
+    assert not any(re.search("SECRET|KEY|TOKEN", e["name"]) for e in container.get("env", []))

@@ -49,6 +49,8 @@ def _wait(handle, timeout=600) -> dict:
     handle.wait(timeout=timeout, every=0.5)
     doc = handle.status()
     assert doc["state"] in ("done", "cancelled", "failed"), doc
+    if doc["state"] == "done":  # the client reads the job's whole outcome back from the store
+        assert handle.outcome is not None and len(handle.outcome.results) == doc["total"]
     return doc
 
 
@@ -176,3 +178,23 @@ def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_d
     listed = farm_cmd(["jobs", "--json", "--address", ray_cluster.address], env=env)
     assert listed.returncode == 0 and {j["job_id"] for j in json.loads(listed.stdout)} == set(before)
     assert SERVICE == "farm-scheduler"
+
+
+def test_the_services_metrics_reach_prometheus_and_its_dashboard_names_only_them(service, ray_cluster):
+    import re
+    import urllib.request
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "infra" / "grafana" / "farm-service.json").read_text())
+    named = {re.sub(r"_bucket$", "", m) for p in dashboard["panels"] for t in p["targets"]
+             for m in re.findall(r"\b(ray_\w+)", t["expr"])}
+    wanted = {"ray_farm_queue_wait_seconds", "ray_farm_service_units", "ray_farm_service_workers"}
+    assert named == wanted
+    deadline, seen = time.monotonic() + 60, set()
+    while not wanted <= seen and time.monotonic() < deadline:
+        for url in ray_cluster.metrics:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text = r.read().decode()
+            seen |= {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"^(ray_farm_\w+)", text, re.M)}
+        time.sleep(1)
+    assert wanted <= seen, seen

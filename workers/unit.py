@@ -210,3 +210,9 @@ class UnitResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "UnitResult":
+        """The inverse of to_dict (a job's results as a farm service wrote them to the store)."""
+        refs = {k: BlobRef.from_dict(d[k]) if d.get(k) else None for k in ("artifact", "log", "trace")}
+        return cls(**{**d, **refs, "transfer": Transfer(**(d.get("transfer") or {}))})

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from workers.backends import cpu_isa, train_bundle
+from workers.backends.dynamic import mark_dynamic
 from workers.backends.base import LoweringError
 from workers.backends.cuda_target import CudaTarget
 from workers.unit import Target
@@ -39,19 +40,6 @@ def _compiled(module: torch.nn.Module, pin: train_bundle.Pin) -> Callable[..., A
             return compiled(*args, **kwargs)
 
     return run
-
-
-def mark_dynamic(ep: ExportedProgram, args: tuple, marks: tuple[str, ...]) -> None:
-    """A gang's agreement: these `<input>.<dim>`s are dynamic from the first call on every rank,
-    instead of each rank's automatic-dynamic deciding on the sizes it happened to see (maybe_:
-    a dimension the graph specializes stays static, on every rank alike)."""
-    import torch
-
-    for name, value in zip(ep.graph_signature.user_inputs, torch.utils._pytree.tree_leaves(args)):
-        if isinstance(value, torch.Tensor):
-            for i in range(value.dim()):
-                if f"{name}.{i}" in marks:
-                    torch._dynamo.maybe_mark_dynamic(value, i)
 
 
 class InductorCache(cpu_isa.PinnedCpuTarget):

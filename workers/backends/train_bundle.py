@@ -115,7 +115,7 @@ def lower(ep: ExportedProgram, pin: Pin, marks: tuple[str, ...], workdir: Path) 
     import torch
     from torch.compiler._cache import CacheArtifactManager
 
-    from workers.backends.inductor_cache import mark_dynamic
+    from workers.backends.dynamic import mark_dynamic
     from workers.check.inputs import input_sets
     from workers.check.train import random_ops, saved_for_backward, step
 
