@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -142,6 +144,8 @@ class Leases:
                 lease = self.try_acquire(key, current.generation + 1)
             elif seen is not None and current.state == seen.state and time.monotonic() - seen_since > self.ttl_s:
                 lease = self.try_acquire(key, current.generation + 1)  # its holder stopped renewing
+            elif gone_from_this_host(current.holder):
+                lease = self.try_acquire(key, current.generation + 1)  # its holder died here: no need to wait
             else:
                 if seen is None or current.state != seen.state:
                     if seen is None or current.generation != seen.generation:
@@ -162,6 +166,25 @@ class Leases:
 # Leases this process released but could not delete (the store was unreachable): no one holds
 # them, so this process's next claim of the key takes over at once instead of waiting ttl_s.
 _LEFT_BEHIND: set[tuple[str, int, str]] = set()
+
+
+def gone_from_this_host(holder: str) -> bool:
+    """Whether a holder named `<host>/pid-<pid>/<token>` ran on this host and its process is gone
+    (a worker killed mid-compile, whose unit is run again here): then its lease is taken over at
+    once instead of after ttl_s. A pid reused since only means waiting ttl_s, as for any holder;
+    a holder on another host, or in another PID namespace under this host's name, is judged by
+    its beat alone, except in the last case, where the worst is one duplicate compile."""
+    host, _, rest = holder.partition("/")
+    pid = rest.partition("/")[0].removeprefix("pid-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def _encode(info: LeaseInfo) -> bytes:

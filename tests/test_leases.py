@@ -161,3 +161,23 @@ def test_a_lease_whose_create_was_answered_exists_is_still_ours_if_we_wrote_it(s
     assert mine is not None and mine.info.holder == "worker-a"
     assert Leases(store.backend, "worker-b", ttl_s=5).try_acquire("key-lost-reply", 0) is None  # theirs stays theirs
     mine.release()
+
+
+def test_a_lease_whose_holder_died_on_this_host_is_taken_over_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from storage.leases import gone_from_this_host
+
+    store = store_from_uri(str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    holder = f"{socket.gethostname()}/pid-{gone.stdout.strip()}/abc"
+    Leases(store.backend, holder, ttl_s=600).try_acquire("k" * 64, 0)  # never renewed nor released: its process is gone
+    start = time.monotonic()
+    claim = Leases(store.backend, "me", ttl_s=600).claim("k" * 64, lambda: None)
+    assert isinstance(claim, Lease) and claim.info.generation == 1 and time.monotonic() - start < 60
+    claim.release()
+    assert gone_from_this_host(holder)
+    assert not gone_from_this_host(f"{socket.gethostname()}/pid-1/def")  # alive: judged by its beat
+    assert not gone_from_this_host(f"elsewhere/pid-{gone.stdout.strip()}/abc")  # another host: by its beat
+    assert not gone_from_this_host("holder")  # not a worker's name
