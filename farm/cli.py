@@ -175,7 +175,12 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
         typer.echo(job_id)
         return True
     handle = client.JobHandle(job_id, service.store())
-    doc = watch_status(handle.status, 1.0)
+    try:
+        doc = watch_status(handle.status, 1.0)
+    except KeyboardInterrupt:
+        console.print(f"stopped following; job {job_id} keeps running on the farm service "
+                      f"(`farm status {job_id} --watch {where}`, `farm cancel {job_id}`)")
+        raise typer.Exit(130) from None
     out.print(status_line(doc))
     if doc["state"] != "done":
         raise _fail(f"job {job_id} {doc['state']}" + (f": {doc['error']}" if doc.get("error") else ""), code=1)

@@ -96,8 +96,8 @@ class GangRunner:
     """Places each gang with a placement group (one bundle per rank, all or nothing) and runs it;
     any rank's failure or death fails the whole gang, whose actors and bundles are then freed."""
 
-    def __init__(self, job_id: str):
-        self.job_id = job_id
+    def __init__(self, job_id: str, place_s: float = PLACE_S):
+        self.job_id, self.place_s = job_id, place_s
 
     def __call__(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         for gang in gangs:
@@ -136,9 +136,9 @@ class GangRunner:
         actors: list = []
         self._returned = False
         try:
-            if not pg.wait(timeout_seconds=PLACE_S):
+            if not pg.wait(timeout_seconds=self.place_s):
                 return [_failed(u, f"gang {gang.label}: Ray could not reserve {gang.world_size} bundles of {bundle} "
-                                   f"within {PLACE_S:g}s; free or add nodes", retryable=True) for u in gang.ranks]
+                                   f"within {self.place_s:g}s; free or add nodes", retryable=True) for u in gang.ranks]
 
             def start(r: int) -> Any:
                 return _RemoteGangMember.options(

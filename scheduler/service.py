@@ -42,14 +42,16 @@ class ServiceRunner:
         yield from self.pool.run(self.job_id, self.priority, units, store, events, self.cap)
 
     def gangs(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
-        from scheduler.ray_pool import GangRunner
+        from scheduler.ray_pool import PLACE_S, GangRunner
 
         for gang in gangs:
             if self.pool.cancelled(self.job_id):
                 yield from self.pool.run(self.job_id, self.priority, list(gang.ranks), store, events, self.cap)
                 continue
             with self.pool.hold(min(gang.world_size, self.pool.cpus())):
-                yield from GangRunner(self.job_id)([gang], store, events)
+                # workers over the smaller pool leave as their unit ends: within the longest unit's limit
+                place_s = PLACE_S + self.pool.longest_timeout()
+                yield from GangRunner(self.job_id, place_s)([gang], store, events)
 
 
 def local_sources(job: JobSpec) -> list[str]:

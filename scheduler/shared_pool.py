@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 from ray.exceptions import RayTaskError
 
 from scheduler.fair import FairShare
+from scheduler import pool
 from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error
 from workers.backends import Placement, resolve
 from workers.unit import Unit, UnitLimits, UnitResult
@@ -59,17 +60,9 @@ class ServiceConfig:
 
 
 @dataclass
-class _Slot:
-    resource: str
-    index: int
-    generation: int = 0
-    actor: object = None
-    ready: object = None
-    unit: Unit | None = None
+class _Slot(pool._Slot):
+    """A job's pool slot (scheduler/pool.py), serving units of many jobs."""
     job: str | None = None
-    retries: int = 0
-    future: object = None
-    started: float = 0.0
     idle_since: float = field(default_factory=time.monotonic)
     rested: bool = True  # its child serves no job yet (renewed since its last unit)
     leaving: bool = False  # stops when its unit ends (the pool shrank under it)
@@ -115,6 +108,7 @@ class SharedPool:
         self.queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._placements: dict[str, tuple[Placement, str, UnitLimits]] = {}
         self._held = 0  # CPUs lent to gangs
+        self._offered: dict[str, float] = cluster.offered()
         self._failed_starts: collections.Counter[str] = collections.Counter()
         self._next_index = 0
         self._lock = threading.RLock()
@@ -186,6 +180,11 @@ class SharedPool:
         """The CPUs the pool may use now."""
         with self._lock:
             return self._capacity()
+
+    def longest_timeout(self) -> float:
+        """The longest a unit now running may still take (within its sandbox's limit)."""
+        with self._lock:
+            return max((s.unit.limits.timeout_s for s in self.slots if s.unit is not None), default=0.0)
 
     def finish(self, job_id: str) -> None:
         """The job has every result: forget it."""
@@ -271,7 +270,7 @@ class SharedPool:
         job.outbox.put(("finished", p.unit, result))
 
     def _capacity(self) -> int:
-        offered = int(self.cluster.offered().get("CPU", 1))
+        offered = int(self._offered.get("CPU", 1))
         return max(0, min(self.config.max_workers or offered, offered) - self._held)
 
     def _start(self, slot: _Slot, resource: str) -> None:
@@ -309,7 +308,7 @@ class SharedPool:
         """The class with queued units and the fewest workers per queued unit, among those the
         cluster offers more slots for."""
         workers = collections.Counter(s.resource for s in self.slots)
-        offered = self.cluster.offered()
+        offered = self._offered
         wanting = [r for r, q in self.queues.items()
                    if q and workers[r] < min(int(offered.get(r, 0)), len(q) + sum(s.future is not None for s in self.slots
                                                                                    if s.resource == r))]
@@ -317,7 +316,7 @@ class SharedPool:
 
     def _unofferable(self) -> None:
         """Units of a class no node offers fail at once, with what to do."""
-        offered = self.cluster.offered()
+        offered = self._offered
         for resource in [r for r, q in self.queues.items() if q]:
             placement = self._placements[resource][0]
             if int(offered.get(resource, 0)) > 0 and offered.get("GPU", 0) >= placement.gpus:
@@ -334,6 +333,7 @@ class SharedPool:
 
     def _assign(self) -> None:
         now = time.monotonic()
+        self._offered = self.cluster.offered()  # once a round: what the cluster offers now
         self._unofferable()
         capacity = self._capacity()
         over = len(self.slots) - capacity

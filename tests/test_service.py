@@ -175,8 +175,20 @@ def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_d
     assert nothing.returncode == 2 and "nothing answers" in nothing.stdout + nothing.stderr
     unknown = farm_cmd(["cancel", "no-such-job", "--address", ray_cluster.address], env=env)
     assert unknown.returncode == 2 and "no job no-such-job" in unknown.stdout + unknown.stderr
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps(_job(zoo_dir, ["mlp"], "cli")))
+    urgent = farm_cmd(["submit", str(spec), "--address", ray_cluster.address, "--priority", "urgent"], env=env)
+    assert urgent.returncode == 2 and "interactive" in urgent.stderr
     listed = farm_cmd(["jobs", "--json", "--address", ray_cluster.address], env=env)
     assert listed.returncode == 0 and {j["job_id"] for j in json.loads(listed.stdout)} == set(before)
+    # and a good one, from the command line: handed over, its id printed, the client gone at once
+    detached = farm_cmd(["submit", str(spec), "--address", ray_cluster.address, "--priority", "interactive",
+                         "--detach"], env=env)
+    assert detached.returncode == 0, detached.stdout + detached.stderr
+    job_id = detached.stdout.strip().splitlines()[-1]
+    handle = client.job(job_id, service.store())
+    assert _wait(handle)["state"] == "done"
+    assert {j["job_id"]: j["priority"] for j in service.jobs()}[job_id] == "interactive"
     assert SERVICE == "farm-scheduler"
 
 

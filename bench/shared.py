@@ -1,0 +1,140 @@
+"""A farm shared by a team: does a person's one-graph job wait behind the nightly?
+
+On one Ray cluster (a `ray start` head on loopback, offering `farm resources`) with a farm service
+(`farm serve`), every unit cold (each graph a small MLP of its own width, so no key and no
+Inductor cache entry repeats):
+
+1. an interactive 1-unit job alone;
+2. for each nightly size N: a nightly of N `aoti-cpu` units alone; then another nightly of N
+   (other graphs), and, once its first units run, an interactive 1-unit job.
+
+Prints interactive_during / interactive_alone for each N (goal: at most 1.5), the 64-unit case
+against the 16-unit one (goal: within 1.2), and each nightly's time with the interactive job
+against without it (goal: at most +10 %). The service's workers are started and warm before the
+first measurement (a warm-up job), as on a farm that serves all day.
+
+    .venv/bin/python bench/shared.py [--nightly 16 --nightly 64] [--workers 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export_graphs(dest: Path, prefix: str, widths: list[int]) -> list[Path]:
+    import torch
+
+    class MLP(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, width), torch.nn.Linear(width, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    paths = []
+    for w in widths:
+        path = dest / f"{prefix}-{w}.pt2"
+        torch.export.save(torch.export.export(MLP(w), (torch.randn(4, 32),)), path)
+        paths.append(path)
+    return paths
+
+
+def job(name: str, graphs: list[Path], priority: str) -> dict:
+    return {"name": name, "priority": priority, "graphs": [str(g) for g in graphs], "targets": ["aoti-cpu"],
+            "benchmark": {"warmup": 1, "repeat": 3}}
+
+
+def timed(spec: dict, address: str) -> float:
+    from farm import client
+
+    start = time.perf_counter()
+    handle = client.submit(spec, address=address, wait=False)
+    handle.wait(every=0.2)
+    failed = [r.error for r in handle.outcome.results if r.status not in ("compiled", "hit")]
+    assert not failed, failed
+    return time.perf_counter() - start
+
+
+def during(nightly: dict, interactive: dict, address: str) -> tuple[float, float]:
+    """The nightly's time, and the interactive job's, submitted once the nightly's units run."""
+    from farm import client
+
+    start = time.perf_counter()
+    handle = client.submit(nightly, address=address, wait=False)
+    while handle.status().get("running", 0) == 0 and not handle.done():
+        time.sleep(0.2)
+    alone = timed(interactive, address)
+    handle.wait(every=0.2)
+    return time.perf_counter() - start, alone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nightly", type=int, action="append", help="nightly sizes (default: 16 and 64)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    sizes = args.nightly or [16, 64]
+    tmp = Path(tempfile.mkdtemp(prefix="farm-bench-shared-"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
+    os.environ.update({k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+    ray = str(Path(sys.executable).parent / "ray")
+    farm = [sys.executable, "-m", "farm"]
+    resources = subprocess.run([*farm, "resources", "--slots", str(args.workers)], env=env, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    graphs = tmp / "graphs"
+    graphs.mkdir()
+    widths = iter(range(64, 100_000))
+    interactive = [export_graphs(graphs, "interactive", [next(widths)]) for _ in range(1 + len(sizes))]
+    nightlies = {n: [export_graphs(graphs, f"nightly{n}-{k}", [next(widths) for _ in range(n)]) for k in range(2)]
+                 for n in sizes}
+    warm = export_graphs(graphs, "warmup", [next(widths) for _ in range(args.workers)])
+    subprocess.run([ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={args.workers}",
+                    f"--resources={resources}", "--include-dashboard=false", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True)
+    try:
+        subprocess.run([*farm, "serve", "--address", address, "--store", str(tmp / "store"), "--min-workers",
+                        str(args.workers)], env=env, check=True)
+        print(f"warm-up ({args.workers} units, workers start): {timed(job('warmup', warm, 'batch'), address):.1f} s")
+        alone = timed(job("mine", interactive[0], "interactive"), address)
+        print(f"interactive 1-unit job alone: {alone:.1f} s")
+        ratios = {}
+        for i, n in enumerate(sizes):
+            nightly_alone = timed(job(f"nightly{n}", nightlies[n][0], "nightly"), address)
+            nightly_with, mine = during(job(f"nightly{n}b", nightlies[n][1], "nightly"),
+                                        job("mine", interactive[i + 1], "interactive"), address)
+            ratios[n] = mine / alone
+            print(f"nightly of {n} units: alone {nightly_alone:.1f} s, with the interactive job {nightly_with:.1f} s "
+                  f"({nightly_with / nightly_alone - 1:+.1%}; goal at most +10%)")
+            print(f"  interactive 1-unit job during it: {mine:.1f} s = {ratios[n]:.2f}x alone (goal at most 1.5)")
+        if len(sizes) > 1:
+            big, small = max(sizes), min(sizes)
+            print(f"interactive during {big} vs during {small}: {ratios[big] / ratios[small]:.2f} (goal within 1.2)")
+        print(json.dumps({"alone_s": alone, "ratios": ratios}))
+    finally:
+        subprocess.run([*farm, "serve", "--address", address, "--stop"], env=env, capture_output=True)
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
+
+
+if __name__ == "__main__":
+    main()
