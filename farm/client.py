@@ -41,10 +41,9 @@ def __getattr__(name: str):
         return getattr(loading, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 class UnknownJob(ValueError):
     """No job, or more than one, answers to the id (or prefix) asked for."""
-
-
 
 
 def resolve_job(store: Store, text: str) -> str:

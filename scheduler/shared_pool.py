@@ -59,7 +59,7 @@ class ServiceConfig:
     start_attempts: int = 3
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: two idle ones must never compare equal (list.remove)
 class _Slot(pool._Slot):
     """A job's pool slot (scheduler/pool.py), serving units of many jobs."""
     job: str | None = None
@@ -191,6 +191,7 @@ class SharedPool:
         with self._lock:
             self.jobs.pop(job_id, None)
             self.fair.remove(job_id)
+            self._cancelled.discard(job_id)
 
     def cancel(self, job_id: str, why: str = "cancelled") -> int:
         """Drop the job's queued units and stop its running ones (their workers are replaced: a
@@ -336,15 +337,15 @@ class SharedPool:
         self._offered = self.cluster.offered()  # once a round: what the cluster offers now
         self._unofferable()
         capacity = self._capacity()
-        over = len(self.slots) - capacity
-        for slot in sorted(self.slots, key=lambda s: s.future is not None):  # idle ones leave first
-            if over <= 0:
-                break
-            if slot.future is None:
+        staying = [s for s in self.slots if not s.leaving]
+        for slot in [s for s in self.slots if s.leaving][: max(0, capacity - len(staying))]:
+            slot.leaving = False  # the pool grew again (a gang ended) before its unit did
+            staying.append(slot)
+        for slot in sorted(staying, key=lambda s: s.future is not None)[: max(0, len(staying) - capacity)]:
+            if slot.future is None:  # idle ones leave first, at once; busy ones when their unit ends
                 self._retire(slot)
             else:
                 slot.leaving = True
-            over -= 1
         for slot in [s for s in self.slots if s.free]:
             p = self._take(slot)
             if p is None:
@@ -365,7 +366,7 @@ class SharedPool:
             slot.future, slot.rested = self.cluster.submit(slot.actor, p.unit, p.job), False
             job.outbox.put(("started", p.unit, None))
             self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
-        while len(self.slots) < capacity and (resource := self._starved()) is not None:
+        while len([s for s in self.slots if not s.leaving]) < capacity and (resource := self._starved()) is not None:
             slot = _Slot(resource, self._next_index)
             self._next_index += 1
             self._start(slot, resource)
@@ -386,7 +387,10 @@ class SharedPool:
             with self._lock:
                 if self._stopping:
                     return
-                self._collect(ready)
+                try:
+                    self._collect(ready)
+                except Exception:  # as above: the next round sees the same futures again
+                    log.exception("farm shared pool: collecting results failed")
 
     def _collect(self, ready: list) -> None:
         for slot in list(self.slots):

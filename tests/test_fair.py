@@ -14,7 +14,7 @@ from scheduler.jobs import NoEvents
 from scheduler.shared_pool import ServiceConfig, SharedPool
 from storage import BlobRef
 from tests.test_pool import FakeCluster
-from workers.unit import Target, Unit, UnitLimits
+from workers.unit import Target, Unit, UnitLimits, UnitResult
 
 
 def _unit(graph: str) -> Unit:
@@ -162,4 +162,27 @@ def test_idle_workers_rest_then_stop_and_a_job_cancelled_while_planning_queues_n
     pool.cancel("later")
     _run_job(pool, "later", "batch", [_unit("c")], box).join(10)
     assert [r.status for _, r in box["later"]] == ["skipped"]
+    pool.stop()
+
+
+def test_a_gang_holding_cpus_shrinks_the_pool_as_units_end_and_it_grows_back_after():
+    cluster = FakeCluster(runs=lambda u, n: "hang")
+    pool = SharedPool(cluster, "mem://", ServiceConfig())
+    box: dict = {}
+    _run_job(pool, "j", "batch", [_unit(f"g{i}") for i in range(4)], box)
+    deadline = time.monotonic() + 10
+    while pool.load()["workers"]["busy"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pool.hold(1):
+        time.sleep(0.2)
+        assert [s.leaving for s in pool.slots].count(True) == 1  # busy: it leaves when its unit ends
+        busy = next(s for s in pool.slots if s.leaving)
+        busy.future.value = UnitResult(busy.unit.graph, busy.unit.target.label, "compiled")
+        busy.future.done = True  # its unit ends
+        while busy in pool.slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert busy not in pool.slots and len(pool.slots) == 1 and pool.load()["jobs"]["j"]["queued"] == 2
+    while len(pool.slots) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(pool.slots) == 2  # the gang is done: the pool takes its CPU back
     pool.stop()
