@@ -11,6 +11,7 @@ from ray.util.metrics import Gauge, Histogram
 
 WAIT_BOUNDS_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600]
 EVERY_S = 2.0
+SHOWN_AFTER_S = 300.0  # a job's series stays at 0 this long after its units are gone
 _METRICS: dict[str, Any] = {}
 
 
@@ -32,7 +33,7 @@ class ServiceMetrics:
         self._starts: list[tuple[str, str, float]] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._shown: set[tuple[str, str]] = set()  # (job, priority) gauges set, zeroed once the job ends
+        self._shown: dict[tuple[str, str], float] = {}  # (job name, priority) → when it last had units
 
     def started(self, job: str, unit: str, priority: str, wait_s: float) -> None:
         _metrics()["wait"].observe(wait_s, tags={"priority": priority})
@@ -53,20 +54,24 @@ class ServiceMetrics:
         threading.Thread(target=loop, name="farm service metrics", daemon=True).start()
 
     def record(self, load: dict[str, Any]) -> None:
+        """Set every gauge again (Ray drops a series not set for two export intervals): a job that
+        ended shows 0 for SHOWN_AFTER_S, then goes."""
         m = _metrics()
         for state, n in load["workers"].items():
             m["workers"].set(n, tags={"state": state})
-        now: dict[tuple[str, str], dict[str, int]] = {}
+        now = time.monotonic()
+        counts: dict[tuple[str, str], dict[str, int]] = {}
         for job in load["jobs"].values():
-            counts = now.setdefault((job["name"], job["priority"]), {"queued": 0, "running": 0})
-            counts["queued"] += job["queued"]
-            counts["running"] += job["running"]
-        for name, priority in self._shown - set(now):
-            now[(name, priority)] = {"queued": 0, "running": 0}
-        for (name, priority), counts in now.items():
-            for state, n in counts.items():
-                m["units"].set(n, tags={"state": state, "job": name, "priority": priority})
-        self._shown = {k for k, v in now.items() if any(v.values())}
+            c = counts.setdefault((job["name"], job["priority"]), {"queued": 0, "running": 0})
+            c["queued"] += job["queued"]
+            c["running"] += job["running"]
+            self._shown[(job["name"], job["priority"])] = now
+        for pair, seen in list(self._shown.items()):
+            if now - seen > SHOWN_AFTER_S:
+                del self._shown[pair]
+                continue
+            for state, n in counts.get(pair, {"queued": 0, "running": 0}).items():
+                m["units"].set(n, tags={"state": state, "job": pair[0], "priority": pair[1]})
 
     def close(self) -> None:
         self._closed.set()
