@@ -176,7 +176,7 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
         return True
     handle = client.JobHandle(job_id, service.store())
     try:
-        doc = watch_status(handle.status, 1.0)
+        doc = watch_status(handle.status, 0.25)
     except KeyboardInterrupt:
         console.print(f"stopped following; job {job_id} keeps running on the farm service "
                       f"(`farm status {job_id} --watch {where}`, `farm cancel {job_id}`)")

@@ -37,6 +37,7 @@ from workers.backends import Placement, resolve
 from workers.unit import Unit, UnitLimits, UnitResult
 
 log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.05  # how often results are awaited while a worker is free for new units
 
 
 def idle_s_from_env() -> float:
@@ -115,6 +116,7 @@ class SharedPool:
         self._stopping = False
         self._cancelled: set[str] = set()  # jobs cancelled, even before their units came
         self._on_start = on_start or (lambda job, unit, priority, wait_s: None)
+        self._wake = threading.Event()  # set when units are queued
         self._thread = threading.Thread(target=self._loop, name="farm shared pool", daemon=True)
         self._thread.start()
 
@@ -150,6 +152,7 @@ class SharedPool:
             self._placements[placement.device_class] = (placement, resolve(unit.target).device, unit.limits)
             self.queues[placement.device_class].append(_Pending(unit, job_id))
             job.queued += 1
+        self._wake.set()
         return job
 
     def _drain(self, job: _Job, expected: int, store, events) -> Iterator[tuple[Unit, UnitResult]]:
@@ -383,7 +386,13 @@ class SharedPool:
                     log.exception("farm shared pool: assigning units failed")
                 waiting = [s.ready for s in self.slots if s.ready is not None] + \
                           [s.future for s in self.slots if s.future is not None]
-            ready = self.cluster.wait(waiting, POLL_S) if waiting else (time.sleep(POLL_S) or [])
+                idle = any(s.free for s in self.slots)
+            if waiting:  # a worker that waits for work looks again soon: a new job's units go out at once
+                ready = self.cluster.wait(waiting, IDLE_POLL_S if idle else POLL_S)
+            else:
+                self._wake.wait(POLL_S)
+                ready = []
+            self._wake.clear()
             with self._lock:
                 if self._stopping:
                     return
