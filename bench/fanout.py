@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--isa", action="append", default=None)
     ap.add_argument("--units", action="store_true", help="also print each unit's phases, and its worker")
+    ap.add_argument("--service", action="store_true",
+                    help="also the same job on a farm service that has already served one job (bench/shared.py's MLPs)")
     args = ap.parse_args()
     isas = args.isa or ["avx2", "x86-64"]
     targets = [f"aoti-cpu:{i}" for i in isas]
@@ -142,6 +144,44 @@ def main() -> None:
     farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, farm_timings)
     print(f"{'farm - serial probed':<22}" + "".join(f"{farm[k] - probed[k]:9.1f}" for k in probed)
           + f"{args.workers * farm_s - probed_s:9.1f}")
+    if args.service:
+        service_s = _on_a_served_service(root, graphs, targets, args.workers)
+        print(f"farm service ({args.workers} workers), after one other job: {service_s:7.1f} s  "
+              f"(fresh store and Inductor cache, its warm-up job's compiles in it)")
+        print(f"efficiency on the served service serial/(W x farm) = {serial_s / (args.workers * service_s):.2f}; "
+              f"like for like {probed_s / (args.workers * service_s):.2f}  (goal >= 0.95)")
+
+
+def _on_a_served_service(root: Path, graphs: list[str], targets: list[str], workers: int) -> float:
+    """The job on a farm service (a fresh embedded Ray, store and Inductor cache) whose workers
+    have already served one job: W small MLPs of their own, for the same targets."""
+    from bench.shared import export_graphs
+    from farm.client import JobHandle
+    from farm.service_client import Service
+    from scheduler.ray_service import call, find_service, start_service, stop_service
+    from scheduler.ray_session import ray_session
+    from scheduler.shared_pool import ServiceConfig
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-service")
+    warm = root / "warm-graphs"
+    warm.mkdir()
+    warm_graphs = export_graphs(warm, "warm", [64 + i for i in range(workers)])
+    with ray_session(None, slots=workers):
+        start_service(str(root / "store-service"), ServiceConfig(min_workers=workers))
+        service = Service(find_service(), call(find_service(), "ping"))
+        try:
+            def run(spec: dict) -> float:
+                t0 = time.perf_counter()
+                handle = JobHandle(service.submit(spec), service.store())
+                handle.wait(every=0.1)
+                bad = [r.error for r in handle.outcome.results if r.status != "compiled"]
+                assert not bad, bad
+                return time.perf_counter() - t0
+
+            run({"name": "warm-up", "graphs": [str(g) for g in warm_graphs], "targets": targets})
+            return run({"name": "fanout", "graphs": graphs, "targets": targets})
+        finally:
+            stop_service()
 
 
 if __name__ == "__main__":

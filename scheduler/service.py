@@ -81,6 +81,7 @@ class FarmScheduler:
             if record.active:
                 record.resumed += 1
                 self.resumed.append(record.job_id)
+                self.records.put(record)
                 self._launch(record)
             else:
                 self._ended.append(record)
@@ -91,7 +92,7 @@ class FarmScheduler:
         return {"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid(),
                 "config": asdict(self.config), "resumed": list(self.resumed)}
 
-    def submit(self, spec: dict[str, Any], priority: str | None = None, job_id: str | None = None) -> dict[str, Any]:
+    def submit(self, spec: dict[str, Any], priority: str | None = None) -> dict[str, Any]:
         """Accept a job (its graphs already in the store, as blob:// addresses) or say why not."""
         if self._stopped:
             return {"error": "the farm service is stopping; start it again with `farm serve`"}
@@ -106,12 +107,11 @@ class FarmScheduler:
         if local:
             return {"error": f"the job names graphs by a path on the submitting machine ({', '.join(local[:3])}); "
                              f"farm.client.submit uploads them to the store first: submit through it or `farm submit`"}
-        record = JobRecord(job_id or new_job_id(job.name), job.name, job.priority,
-                           job.model_dump(mode="json", exclude={"base_dir"}))
-        with self._lock:
-            if record.job_id in self._active:
-                return {"error": f"job {record.job_id} is already running"}
-        self.records.put(record)
+        record = JobRecord(new_job_id(job.name), job.name, job.priority, job.model_dump(mode="json", exclude={"base_dir"}))
+        try:
+            self.records.put(record)
+        except StoreError as e:
+            return {"error": f"the farm service could not record the job in {self.store.uri}: {e}; try again"}
         self._launch(record)
         return {"job_id": record.job_id, "priority": record.priority}
 
