@@ -184,7 +184,8 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
     out.print(status_line(doc))
     if doc["state"] != "done":
         raise _fail(f"job {job_id} {doc['state']}" + (f": {doc['error']}" if doc.get("error") else ""), code=1)
-    _print_results(handle, service.store_uri)
+    if any(r["status"] == "failed" for r in _print_results(handle, service.store_uri)):
+        raise typer.Exit(1)
     return True
 
 
@@ -327,8 +328,8 @@ def results(
     _print_results(handle, store)
 
 
-def _print_results(handle: "client.JobHandle", store: str) -> None:
-    """A job's results table, stats and failure logs, from the store; exit 1 when a unit failed."""
+def _print_results(handle: "client.JobHandle", store: str) -> list[dict]:
+    """A job's results table, stats and failure logs, from the store; its rows."""
     from farm.console import failure_logs, out, results_table, stats_line
     from storage.stats import JobStats
 
@@ -340,6 +341,7 @@ def _print_results(handle: "client.JobHandle", store: str) -> None:
     out.print(stats_line(JobStats.from_rows(rows)))
     for line in failure_logs(rows, store):
         out.print(line)
+    return rows
 
 
 @app.command()

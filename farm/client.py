@@ -22,7 +22,8 @@ from farm.service_client import job_spec
 from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
 from scheduler.jobs import ENDED, Events, JobOutcome, NoEvents, execute, new_job_id, read_outcome, read_status
-from scheduler.spec import JobSpec, load_job, parse_job
+from scheduler.fair import weight_of
+from scheduler.spec import JobSpec
 from storage import Store, UnknownKey
 from storage.results import read_results_table
 from storage.service_jobs import ServiceJobs
@@ -163,7 +164,10 @@ def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, 
     if service is not None:
         s = service.store(store)
         handle = JobHandle(service.submit(spec, store, priority=priority, workers=workers), s)
-        return handle.wait() if wait else handle
+        return handle.wait(every=0.25) if wait else handle
+    if priority is not None:  # a job's own pool serves it alone: the priority is only recorded
+        weight_of(priority)
+        spec = job_spec(spec).model_copy(update={"priority": priority})
     from scheduler.ray_observe import RayObserver
     from scheduler.ray_pool import PoolConfig, RayRunner
     from scheduler.ray_session import ray_session
