@@ -10,6 +10,8 @@ this module. Keys may be given as the unique prefixes tables print, job ids like
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -169,16 +171,31 @@ def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, 
         weight_of(priority)
         spec = job_spec(spec).model_copy(update={"priority": priority})
     from scheduler.ray_observe import RayObserver
-    from scheduler.ray_pool import PoolConfig, RayRunner
+    from scheduler.ray_pool import PoolConfig, RayCluster, RayRunner
     from scheduler.ray_session import ray_session
 
     def on_ray(job: JobSpec, s: Store, job_id: str, ev: Events) -> JobOutcome:
+        import ray
+
         config = PoolConfig(workers=workers or job.limits.workers, retries=job.limits.retries)
-        with ray_session(address, metrics_port=metrics_port, keep=True) as session:
-            if on_session is not None:
-                on_session(session, job_id)
-            observer = RayObserver(ev, job.name, job_id, s.uri)
-            outcome = execute(job, s, RayRunner(config, job_id=job_id, lookup_first=session.embedded), observer, job_id)
+        observer = RayObserver(ev, job.name, job_id, s.uri)
+        with contextlib.ExitStack() as stack:
+            joined: list = []
+
+            def join() -> None:
+                if not joined:
+                    joined.append(stack.enter_context(ray_session(address, metrics_port=metrics_port, keep=True)))
+                    if on_session is not None:
+                        on_session(joined[0], job_id)
+
+            # An embedded Ray of this process's own starts only once a unit needs a worker: a job of
+            # hits (answered here, in a sandbox) needs none. A cluster is joined at once.
+            embedded = not (address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
+            if not embedded:
+                join()
+            lookup_first = embedded or joined[0].embedded
+            runner = RayRunner(config, job_id=job_id, lookup_first=lookup_first, cluster=RayCluster(join))
+            outcome = execute(job, s, runner, observer, job_id)
             observer.done(outcome)
             return outcome
 

@@ -128,6 +128,8 @@ class WorkerPool:
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
             yield from self._place(units, store, events, queues, sandbox)
+        if not any(queues.values()):
+            return  # every unit was answered here (hits) or failed here: no worker, no cluster needed
         self._offered = self.cluster.offered()
         for resource in [r for r in queues if not self._can_place(r)]:
             placement = self._placements[resource][0]

@@ -40,9 +40,19 @@ PLACE_S = 60.0  # a gang whose bundles Ray cannot reserve by then fails, with wh
 
 
 class RayCluster:
-    """The worker pool's calls (scheduler.pool.Cluster), made of Ray."""
+    """The worker pool's calls (scheduler.pool.Cluster), made of Ray. `connect`, when given, joins
+    or starts Ray the first time the pool asks the cluster anything: a job whose units are all
+    answered before any worker is needed never starts one (the embedded Ray's `farm submit`)."""
+
+    def __init__(self, connect: Callable[[], None] | None = None):
+        self._connect = connect
+
+    def up(self) -> None:
+        if self._connect is not None:
+            self._connect()
 
     def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str) -> Any:
+        self.up()
         return _RemoteWorker.options(name=name, namespace="farm", num_cpus=placement.cpus, num_gpus=placement.gpus,
                                      resources=placement.resources).remote(store_uri, limits, device)
 
@@ -65,9 +75,11 @@ class RayCluster:
         ray.kill(actor, no_restart=True)
 
     def offered(self) -> dict[str, float]:
+        self.up()
         return ray.cluster_resources()
 
     def nodes(self) -> list[dict[str, float]]:
+        self.up()
         return [n["Resources"] for n in ray.nodes() if n["Alive"]]
 
     def stop(self, actors: list[Any]) -> None:
@@ -89,6 +101,8 @@ class RayRunner(WorkerPool):
 
     def gangs(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         """Multi-rank models, after the pool's units (whose workers have released their slots)."""
+        if gangs:
+            self.cluster.up()
         yield from GangRunner(self.job_id)(gangs, store, events)
 
 
