@@ -17,7 +17,6 @@ from farm.service_client import ServiceRefused, connect
 from scheduler.ray_service import SERVICE, ServiceError, call, find_service, start_service, stop_service
 from scheduler.shared_pool import ServiceConfig
 from scheduler.spec import SpecError
-from storage import store_from_uri
 from storage.results import read_results
 
 pytestmark = pytest.mark.slow
