@@ -19,9 +19,10 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def open_store(uri: str):
-    from storage import CacheConfig, StoreError, store_from_uri
+    from farm.stores import open_store as opened
+    from storage import StoreError
 
     try:
-        return store_from_uri(uri, CacheConfig.from_env())
+        return opened(uri)
     except (ValueError, StoreError) as e:
         raise fail(str(e)) from e

@@ -23,7 +23,8 @@ import pyarrow as pa
 from farm.service_client import job_spec
 from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
-from scheduler.jobs import ENDED, Events, JobOutcome, NoEvents, execute, new_job_id, read_outcome, read_status
+from scheduler.jobs import (ENDED, Events, JobOutcome, NoEvents, empty_status, execute, new_job_id, read_outcome,
+                            read_status)
 from scheduler.fair import weight_of
 from scheduler.spec import JobSpec
 from storage import Store, UnknownKey
@@ -78,9 +79,7 @@ class JobHandle:
             record = ServiceJobs(self.store).get(self.job_id)  # a farm service's job it has not started yet
             if record is None:
                 raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
-            return {"job_id": self.job_id, "state": record.state, "total": 0, "queued": 0, "running": 0,
-                    "compiled": 0, "hit": 0, "failed": 0, "skipped": 0, "retries": 0, "running_units": [],
-                    "error": record.error}
+            return {**empty_status(self.job_id, record.state), "error": record.error}
         return doc
 
     def done(self) -> bool:

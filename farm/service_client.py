@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from farm.stores import open_store
-from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, load_job, parse_job
+from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, is_local_source, load_job, parse_job
 from storage import Store
 
 
@@ -20,14 +20,13 @@ class ServiceRefused(ValueError):
     """The service refused the call (a bad spec, an unknown or ended job); the message says why."""
 
 
-def _same_store(a: str, b: str) -> bool:
-    local = lambda u: str(Path(u.removeprefix("file://")).resolve()) if "://" not in u or u.startswith("file://") else u
-    return local(a).rstrip("/") == local(b).rstrip("/")
-
-
 def absolute_store(uri: str) -> str:
     """A store URI every process on the cluster reads alike (a relative directory made absolute)."""
     return uri if "://" in uri and not uri.startswith("file://") else str(Path(uri.removeprefix("file://")).resolve())
+
+
+def _same_store(a: str, b: str) -> bool:
+    return absolute_store(a).rstrip("/") == absolute_store(b).rstrip("/")
 
 
 @dataclass
@@ -97,7 +96,7 @@ def upload_graphs(job: JobSpec, store: Store) -> dict[str, Any]:
 
 
 def _uploaded(source: str, store: Store) -> str:
-    if source.startswith(BLOB_SCHEME) or ("://" in source and not source.startswith("file://")):
+    if not is_local_source(source):
         return source
     path = Path(source.removeprefix("file://"))
     if not path.is_file():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime as dt
+import itertools
 import json
 import logging
 import secrets
@@ -31,10 +32,9 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "status.json"
 ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
 WRITE_EVERY_S = 1.0  # status.json is written at most this often, and a change at most this late
-ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
 TRANSIENT_PAUSE_S = 5.0  # before the first run again of units the store failed; doubles each round
-KEYS_FILE = "keys.json"
-OUTCOME_FILE = "outcome.json"  # every unit's whole result, for a client that did not run the job itself  # every unit's key and its components, so `farm explain --job` can diff misses
+KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
+OUTCOME_FILE = "outcome.json"  # every unit's whole result but its key components, for a client that did not run the job
 
 
 class Events(Protocol):
@@ -124,14 +124,19 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def empty_status(job_id: str, state: str) -> dict[str, Any]:
+    """A status document with nothing counted yet: a job that is planning, or a farm service's job
+    not started yet (its client reads this shape from either)."""
+    return {"job_id": job_id, "state": state, "total": 0, "queued": 0, "running": 0, "compiled": 0, "hit": 0,
+            "failed": 0, "skipped": 0, "retries": 0, "running_units": []}
+
+
 class StatusFile:
     """Counts the job's progress and writes it to the store (at most once a second)."""
 
     def __init__(self, store: Store, job_id: str, inner: Events):
         self.store, self.job_id, self.inner = store, job_id, inner
-        self.doc: dict[str, Any] = {"job_id": job_id, "state": "planning", "started_at": _now(), "total": 0,
-                                    "queued": 0, "running": 0, "compiled": 0, "hit": 0, "failed": 0, "skipped": 0,
-                                    "retries": 0, "running_units": []}
+        self.doc: dict[str, Any] = {**empty_status(job_id, "planning"), "started_at": _now()}
         self._running: dict[str, dict[str, Any]] = {}
         self._written = 0.0
         self._lock = threading.RLock()  # events come from the job's thread, a late write from a timer's
@@ -268,8 +273,9 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     outcome.stats = JobStats.from_rows(rows)
     write_stats(store, outcome.job_id, outcome.stats)
     store.put_job_file(outcome.job_id, KEYS_FILE, json.dumps(_keys(outcome.results), indent=1).encode())
-    store.put_job_file(outcome.job_id, OUTCOME_FILE, json.dumps(
-        {"wall_s": outcome.wall_s, "results": [r.to_dict() for r in outcome.results]}, default=str).encode())
+    store.put_job_file(outcome.job_id, OUTCOME_FILE, json.dumps(  # the key components are keys.json's alone
+        {"wall_s": outcome.wall_s, "results": [{**r.to_dict(), "components": None} for r in outcome.results]},
+        default=str).encode())
     status.end(state="done", wall_s=round(outcome.wall_s, 3))
     return outcome
 
@@ -290,7 +296,9 @@ def read_outcome(store: Store, job_id: str) -> JobOutcome | None:
     if data is None:
         return None
     doc = json.loads(data)
-    results = [UnitResult.from_dict(r) for r in doc["results"]]
+    keys = read_keys(store, job_id) or []  # written beside it, in the same order
+    results = [UnitResult.from_dict({**r, "components": k.get("components") if k else None})
+               for r, k in itertools.zip_longest(doc["results"], keys[: len(doc["results"])])]
     rows = [r.to_row(job_id) for r in results]
     return JobOutcome(job_id, store.uri, results, doc["wall_s"], JobStats.from_rows(rows))
 

@@ -3,11 +3,10 @@ digest); a graph that cannot be read still becomes units, which fail with the re
 one bad graph never stops a job."""
 from __future__ import annotations
 
+import re
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-
-import re
 
 from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri

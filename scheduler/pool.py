@@ -131,14 +131,10 @@ class WorkerPool:
         if not any(queues.values()):
             return  # every unit was answered here (hits) or failed here: no worker, no cluster needed
         self._offered = self.cluster.offered()
-        for resource in [r for r in queues if not self._can_place(r)]:
-            placement = self._placements[resource][0]
-            gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
-            for p in queues.pop(resource):
-                advice = f"; {placement.unoffered}" if placement.unoffered else ""
-                result = _failed(p.unit, f"no Ray node offers resource {resource!r}{gpus}, so nothing could build it; "
-                                         f"start a node that can with ray start --resources \"$(farm resources)\""
-                                         f"{advice}", retryable=True)
+        for resource in list(queues):
+            why = unoffered(self._placements[resource][0], self._offered)
+            for p in queues.pop(resource) if why else ():
+                result = _failed(p.unit, why, retryable=True)
                 events.finished(p.unit, result)
                 yield p.unit, result
         for resource, queued in queues.items():  # largest first: the small ones left fill the gaps at the end
@@ -177,10 +173,6 @@ class WorkerPool:
                 yield unit, hit
             else:
                 queues[resource].append(_Pending(unit))
-
-    def _can_place(self, resource: str) -> bool:
-        placement = self._placements[resource][0]
-        return int(self._offered.get(resource, 0)) > 0 and self._offered.get("GPU", 0) >= placement.gpus
 
     def _most_starved(self, queues) -> str | None:
         """The device class with the fewest workers per unit it could take, among those with fewer
@@ -286,6 +278,18 @@ class WorkerPool:
                 result.retries = retries
                 events.finished(unit, result)
                 yield unit, result
+
+
+def unoffered(placement: Placement, offered: dict[str, float]) -> str | None:
+    """Why no worker of the placement's class can start on a cluster that offers `offered`, with
+    what to do; None if one can."""
+    resource = placement.device_class
+    if int(offered.get(resource, 0)) > 0 and offered.get("GPU", 0) >= placement.gpus:
+        return None
+    gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
+    advice = f"; {placement.unoffered}" if placement.unoffered else ""
+    return (f"no Ray node offers resource {resource!r}{gpus}, so nothing could build it; start a node that can "
+            f"with ray start --resources \"$(farm resources)\"{advice}")
 
 
 def _route(unit: Unit) -> Placement | None:

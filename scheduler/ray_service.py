@@ -57,8 +57,9 @@ def call(actor: Any, method: str, *args: Any, timeout: float = CALL_S) -> Any:
 
 def start_service(store_uri: str, config: ServiceConfig) -> dict[str, Any]:
     """Start the service and wait until it answers; what it says of itself."""
-    if find_service() is not None:
-        running = call(find_service(), "ping")
+    found = find_service()
+    if found is not None:
+        running = call(found, "ping")
         raise ServiceError(f"a farm service already runs on this cluster (store {running['store']}, since "
                            f"{running['started_at']}); `farm serve --stop` ends it")
     try:

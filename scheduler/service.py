@@ -12,6 +12,7 @@ compiled again, and the job's results table, written once at its end, has one ro
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -19,9 +20,9 @@ from dataclasses import asdict
 from typing import Any, Iterator
 
 from scheduler.fair import UnknownPriority, weight_of
-from scheduler.jobs import NoEvents, execute, new_job_id, read_status
+from scheduler.jobs import STATUS_FILE, NoEvents, execute, new_job_id, read_status
 from scheduler.shared_pool import ServiceConfig, SharedPool
-from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, parse_job
+from scheduler.spec import JobSpec, SpecError, is_local_source, parse_job
 from storage import CacheConfig, Store, StoreError, store_from_uri
 from storage.service_jobs import JobRecord, ServiceJobs, now
 from workers.unit import Gang, Unit, UnitResult
@@ -29,6 +30,7 @@ from workers.unit import Gang, Unit, UnitResult
 log = logging.getLogger(__name__)
 
 ENDED_SHOWN = 50  # ended jobs `farm jobs` lists
+COUNTED = ("total", "compiled", "hit", "failed", "skipped", "retries")  # of a job's status, in `farm jobs`
 
 
 class ServiceRunner:
@@ -58,7 +60,7 @@ def local_sources(job: JobSpec) -> list[str]:
     """Graphs a spec names by a path on the submitting machine: a service cannot read them (and
     must not read its own host's files for a client); the client uploads them first."""
     paths = [g.path for g in job.graphs] + [p for g in job.gangs for p in g.paths()]
-    return [p for p in paths if not p.startswith(BLOB_SCHEME) and ("://" not in p or p.startswith("file://"))]
+    return [p for p in paths if is_local_source(p)]
 
 
 class FarmScheduler:
@@ -123,8 +125,8 @@ class FarmScheduler:
         rows = []
         for record in sorted(records, key=lambda r: (r.submitted_at, r.job_id)):
             row = record.summary()
-            status = self._status(record.job_id)
-            row.update({k: status.get(k, 0) for k in ("total", "compiled", "hit", "failed", "skipped", "retries")})
+            status = record.counts if record.counts is not None else self._status(record.job_id)
+            row.update({k: status.get(k, 0) for k in COUNTED})
             live = load.get(record.job_id)
             row["queued"] = live["queued"] if live else 0
             row["running"] = live["running"] if live else 0
@@ -206,25 +208,27 @@ class FarmScheduler:
             if self._stopped:
                 return
             record.ended_at = now()
-            self._mark_status(record)
+            status = self._status(record.job_id)
+            record.counts = {k: status.get(k, 0) for k in COUNTED}  # `farm jobs` reads no status of an ended job
+            self._mark_status(record, status)
             try:
                 self.records.put(record)
-                self.records.prune()
+                with self._lock:
+                    active = set(self._active)
+                self.records.prune(active)
             except StoreError as e:
                 log.warning("farm service: record of job %s not written (%s)", record.job_id, e)
             with self._lock:
                 self._active.pop(record.job_id, None)
                 self._ended.append(record)
 
-    def _mark_status(self, record: JobRecord) -> None:
+    def _mark_status(self, record: JobRecord, status: dict[str, Any]) -> None:
         """A cancelled or failed job's status says so (execute wrote `done`, or nothing)."""
         if record.state == "done":
             return
-        import json
-
-        doc = self._status(record.job_id) or {"job_id": record.job_id}
-        doc.update(state=record.state, error=record.error or doc.get("error"), updated_at=now())
+        doc = {**(status or {"job_id": record.job_id}), "state": record.state,
+               "error": record.error or status.get("error"), "updated_at": now()}
         try:
-            self.store.put_job_file(record.job_id, "status.json", json.dumps(doc, indent=1).encode())
+            self.store.put_job_file(record.job_id, STATUS_FILE, json.dumps(doc, indent=1).encode())
         except StoreError as e:
             log.warning("farm service: status of job %s not written (%s)", record.job_id, e)

@@ -32,7 +32,7 @@ from ray.exceptions import RayTaskError
 
 from scheduler.fair import FairShare
 from scheduler import pool
-from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error
+from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error, unoffered
 from workers.backends import Placement, resolve
 from workers.unit import Unit, UnitLimits, UnitResult
 
@@ -94,7 +94,6 @@ class _Job:
     running: int = 0
     done: int = 0
     total: int = 0
-    cancelled: bool = False
 
 
 class SharedPool:
@@ -204,7 +203,6 @@ class SharedPool:
             job = self.jobs.get(job_id)
             if job is None:
                 return 0
-            job.cancelled = True
             ended = 0
             for resource, q in self.queues.items():
                 for p in [p for p in q if p.job == job_id]:
@@ -320,20 +318,15 @@ class SharedPool:
 
     def _unofferable(self) -> None:
         """Units of a class no node offers fail at once, with what to do."""
-        offered = self._offered
         for resource in [r for r, q in self.queues.items() if q]:
-            placement = self._placements[resource][0]
-            if int(offered.get(resource, 0)) > 0 and offered.get("GPU", 0) >= placement.gpus:
+            why = unoffered(self._placements[resource][0], self._offered)
+            if why is None:
                 continue
-            gpus = f" and {placement.gpus:g} GPU" if placement.gpus else ""
-            advice = f"; {placement.unoffered}" if placement.unoffered else ""
             q = self.queues[resource]
             while q:
                 p = q.popleft()
                 self.jobs[p.job].queued -= 1
-                self._report(p, _failed(p.unit, f"no Ray node offers resource {resource!r}{gpus}, so nothing could "
-                                                 f"build it; start a node that can with ray start --resources "
-                                                 f"\"$(farm resources)\"{advice}", retryable=True))
+                self._report(p, _failed(p.unit, why, retryable=True))
 
     def _assign(self) -> None:
         now = time.monotonic()
@@ -425,7 +418,7 @@ class SharedPool:
                 except DIED as e:
                     self._restart(slot)
                     self._unit_ended(p)
-                    if p.retries < self.config.retries and p.job in self.jobs and not self.jobs[p.job].cancelled:
+                    if p.retries < self.config.retries and p.job in self.jobs and p.job not in self._cancelled:
                         self.queues[slot.resource].appendleft(_Pending(p.unit, p.job, p.retries + 1))
                         self.jobs[p.job].queued += 1
                         self.jobs[p.job].outbox.put(("retried", p.unit, None))

@@ -257,6 +257,11 @@ def parse_job(data: Any, source: str = "<job>", base_dir: str | Path = ".") -> J
 BLOB_SCHEME = "blob://"
 
 
+def is_local_source(path: str) -> bool:
+    """A graph named by a path on the machine that wrote the spec (not in the store, not a remote URI)."""
+    return not path.startswith(BLOB_SCHEME) and ("://" not in path or path.startswith("file://"))
+
+
 def allowed_sources() -> list[str]:
     """FARM_ALLOWED_SOURCES: comma-separated prefixes (`s3://models/`, `/data/graphs/`) every graph
     must come from; unset or empty allows any."""

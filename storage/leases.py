@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -166,6 +167,11 @@ class Leases:
 # Leases this process released but could not delete (the store was unreachable): no one holds
 # them, so this process's next claim of the key takes over at once instead of waiting ttl_s.
 _LEFT_BEHIND: set[tuple[str, int, str]] = set()
+
+
+def holder_here() -> str:
+    """A holder name for this process: `<host>/pid-<pid>/<token>`, which `gone_from_this_host` reads."""
+    return f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}"
 
 
 def gone_from_this_host(holder: str) -> bool:

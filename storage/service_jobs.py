@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 PREFIX = "service/jobs/"
 RECORDS_KEPT = 200  # ended jobs' records kept for `farm jobs`
 ACTIVE = ("queued", "running")
-ENDED = ("done", "cancelled", "failed")
 
 
 def now() -> str:
@@ -41,14 +40,15 @@ class JobRecord:
     ended_at: str | None = None
     error: str | None = None
     resumed: int = 0  # times a restarted scheduler took it up again
+    counts: dict[str, int] | None = None  # its units by outcome, once it ended
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
 
     def summary(self) -> dict[str, Any]:
-        """What `farm jobs` shows of it (everything but the spec)."""
-        return {k: v for k, v in asdict(self).items() if k != "spec"}
+        """What `farm jobs` shows of it (everything but the spec and the counts, which it shows apart)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("spec", "counts")}
 
 
 class ServiceJobs:
@@ -73,13 +73,16 @@ class ServiceJobs:
                 records.append(record)
         return sorted(records, key=lambda r: (r.submitted_at, r.job_id))
 
-    def prune(self, keep: int = RECORDS_KEPT) -> None:
-        ended = [r for r in self.all() if not r.active]
-        for record in ended[: max(0, len(ended) - keep)]:
+    def prune(self, active: set[str], keep: int = RECORDS_KEPT) -> None:
+        """Remove the records of ended jobs (those not in `active`) but the `keep` last written, from
+        a listing alone: a record is last written when its job ends."""
+        ended = sorted((i for i in self.store.backend.list_info(PREFIX)
+                        if i.path[len(PREFIX):].removesuffix(".json") not in active), key=lambda i: i.mtime)
+        for info in ended[: max(0, len(ended) - keep)]:
             try:
-                self.store.backend.delete(f"{PREFIX}{record.job_id}.json")
+                self.store.backend.delete(info.path)
             except StoreError as e:
-                log.warning("service record of %s not removed (%s); the next prune tries again", record.job_id, e)
+                log.warning("service record %s not removed (%s); the next prune tries again", info.path, e)
 
 
 def _record(job_id: str, data: bytes) -> JobRecord | None:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import os
-import secrets
 import socket
 import time
 from contextlib import contextmanager
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
+from storage.leases import holder_here
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers import host_check
@@ -330,8 +329,7 @@ def _plain(facts: dict[str, Any]) -> dict[str, Any]:
 def claim_key(ctx: UnitContext, key: str) -> Lease | dict[str, Any]:
     """The lease on key (we compile), or the manifest another worker published while we waited."""
     unit, log, phase = ctx.unit, ctx.log, ctx.phase
-    leases = Leases(ctx.store.backend, f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}",
-                    unit.lease_ttl_s)
+    leases = Leases(ctx.store.backend, holder_here(), unit.lease_ttl_s)
     holders: list[str] = []
 
     def waiting(info: LeaseInfo) -> None:
