@@ -34,7 +34,7 @@ def _run_job(start, store_uri: str) -> None:
     """Run a job through the Python API (`start(events)` → JobHandle) with a live bar, then the
     results table and what to do next."""
     from farm.console import SUMMARY_OVER, ProgressEvents, console, failure_logs, job_tables, out, stats_line
-    from scheduler.ray_session import JoinFailed
+    from scheduler.errors import JoinFailed
     from storage import StoreError
 
     try:
@@ -156,8 +156,8 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
         return False
     from farm.console import console, out, status_line, watch_status
     from farm.service_client import ServiceRefused, connect
+    from scheduler.errors import JoinFailed
     from scheduler.ray_service import ServiceError
-    from scheduler.ray_session import JoinFailed
     from storage import StoreError
 
     try:

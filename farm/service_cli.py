@@ -23,8 +23,8 @@ def _address(address: str | None) -> str:
 def _service(address: str | None):
     """The service on the cluster, or a clear error."""
     from farm.service_client import connect
+    from scheduler.errors import JoinFailed
     from scheduler.ray_service import ServiceError
-    from scheduler.ray_session import JoinFailed
 
     address = _address(address)
     try:
@@ -49,8 +49,9 @@ def serve(
     warm workers by priority."""
     from farm.console import out
     from farm.service_client import absolute_store
+    from scheduler.errors import JoinFailed
     from scheduler.ray_service import ServiceError, start_service, stop_service
-    from scheduler.ray_session import JoinFailed, ray_session
+    from scheduler.ray_session import ray_session
     from scheduler.shared_pool import ServiceConfig, idle_s_from_env
 
     address = _address(address)

@@ -21,13 +21,10 @@ from typing import Iterator
 
 import ray
 
+from scheduler.errors import JoinFailed
 from workers.backends import offered_resources
 
 PROBE_S = 3.0
-
-
-class JoinFailed(RuntimeError):
-    """This process could not join the Ray cluster it was pointed at; the message says why and what to do."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,17 @@ def test_input_sets_cover_other_sizes_inside_each_range():
         ep.module()(*s.args)  # eager accepts every generated size
 
 
+def test_input_sets_of_a_program_moved_to_another_device_are_on_that_device():
+    """A GPU target's program is moved before lowering (`move_to_device_pass`): the sizes it is
+    compiled and checked at are made on its device, with the values they have on the CPU."""
+    from torch.export.passes import move_to_device_pass
+
+    ep = export_model("mlp")
+    moved = input_sets(move_to_device_pass(ep, "meta"))
+    assert len(moved) > 1 and all(s.args[0].device.type == "meta" for s in moved)
+    assert [s.args[0].shape for s in moved] == [s.args[0].shape for s in input_sets(ep)]
+
+
 def test_verify_catches_a_wrong_artifact_and_a_rejected_size():
     ep = export_model("mlp")
     eager = ep.module()

@@ -61,6 +61,15 @@ def test_inductor_cache_has_a_gpu_form_placed_and_keyed_like_aoti_cuda():
         resolve(Target("inductor-cache", "sm90"))
 
 
+@pytest.mark.parametrize("name", ["inductor-cache", "aot-compile"])
+def test_a_gpu_form_checks_the_shapes_and_modes_its_cpu_form_does(name):
+    """aot-compile:cuda's functions are static like aot-compile's: checked at other sizes, they
+    failed verification on the GPU."""
+    cpu, gpu = resolve(Target(name, None)), resolve(Target(name, "sm_90"))
+    assert gpu.device == "cuda" and cpu.device == "cpu"
+    assert (gpu.static_shapes, gpu.modes, gpu.weights_in_code) == (cpu.static_shapes, cpu.modes, cpu.weights_in_code)
+
+
 def test_the_key_holds_the_architecture_and_the_gpu_toolchain():
     backend = resolve(Target("aoti-cuda", "sm_90"))
     program = {"program": "0" * 64}

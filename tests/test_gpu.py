@@ -31,11 +31,12 @@ def _unit(zoo_dir: Path, store, target: str = "aoti-cuda"):
     return unit
 
 
-def _segfault_once_lowering(sandbox: Sandbox, workdir: Path) -> None:
-    """Crash the sandbox child the way a CUDA fault would, once it has started lowering."""
+def _segfault_once_lowering(sandbox: Sandbox, root: Path) -> None:
+    """Crash the sandbox child the way a CUDA fault would, once it has started lowering (a unit's
+    work dir is in the sandbox's own dir, workers/sandbox/process.py)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        if sandbox.pid and list(workdir.glob("farm-unit-*/.sandbox-lower.log")):
+        if sandbox.pid and list(root.glob("unit-*/.sandbox-lower.log")):
             os.kill(sandbox.pid, signal.SIGSEGV)
             return
         time.sleep(0.2)
@@ -46,14 +47,13 @@ def gpu_store(tmp_path_factory):
     return store_from_uri(str(tmp_path_factory.mktemp("gpu-store")))
 
 
-def test_a_crash_on_the_gpu_fails_the_unit_and_the_gpu_is_checked_before_the_next(gpu_store, zoo_dir, tmp_path,
-                                                                                    monkeypatch):
+def test_a_crash_on_the_gpu_fails_the_unit_and_the_gpu_is_checked_before_the_next(gpu_store, zoo_dir, monkeypatch):
     probes = []
     real_probe = cuda.probe
     monkeypatch.setattr(cuda, "probe", lambda *a, **k: probes.append(1) or real_probe(*a, **k))
     unit = _unit(zoo_dir, gpu_store)
     with Sandbox() as sandbox:
-        crasher = threading.Thread(target=_segfault_once_lowering, args=(sandbox, tmp_path))
+        crasher = threading.Thread(target=_segfault_once_lowering, args=(sandbox, sandbox.root()))
         crasher.start()
         crashed = run_unit(unit, gpu_store, sandbox)
         crasher.join()

@@ -125,3 +125,19 @@ def test_a_300_unit_job_prints_a_summary_and_its_failures_not_300_rows(zoo_runs,
     job_id = re.search(r"farm results (\S+) --store", out).group(1)
     every_row = farm("results", job_id, "--store", str(store))
     assert all(f"{g.stem}" in every_row for g in graphs), every_row[-2000:]
+
+
+NO_RAY = "import sys; sys.modules['ray'] = None; from farm.cli import app; app()"  # `import ray` fails
+
+
+def test_farm_compile_needs_no_ray(zoo_runs, zoo_dir, tmp_path):
+    """`farm compile` runs in its own process, as on the lent GPU hosts, which have no Ray."""
+    import shutil
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    shutil.copytree(zoo_runs[0].uri.removeprefix("file://"), store)
+    done = subprocess.run([sys.executable, "-c", NO_RAY, "compile", str(zoo_dir / "mlp.pt2"), "--store", str(store)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "0 compiled, 1 hits, 0 failed" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -64,6 +64,16 @@ def _grad_mode(target: Target) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _aot_compile_on() -> Iterator[None]:
+    """`torch.compile(...).aot_compile` exists only with Dynamo's `enable_aot_compile` set: on by
+    default in torch 2.13, off in 2.11 (the GPU hosts' torch), where the attribute is missing."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(enable_aot_compile=True) if hasattr(dynamo_config, "enable_aot_compile") else contextlib.nullcontext():
+        yield
+
+
 def _ordinary(args: Any) -> Any:
     """Inference tensors (made under torch.inference_mode) as ordinary ones, which the guards expect."""
     import torch
@@ -123,7 +133,7 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
         sets = static_sets(ep, target.sizes)
         parts: dict[str, bytes] = {}
         functions = []
-        with kernels.capturing() as loaded, pin.held(), _grad_mode(target):
+        with kernels.capturing() as loaded, pin.held(), _grad_mode(target), _aot_compile_on():
             for i, s in enumerate(sets):
                 fn = torch.compile(type(module).forward, fullgraph=True).aot_compile(((module, *s.args), s.kwargs))
                 functions.append(fn)
@@ -154,7 +164,7 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
         module = packable(ep, str(unpacked.facts.get("module_class")))
         names = sorted(unpacked.parts, key=lambda n: int(n[3:-4]) if n.startswith("fn-") else -1)
         try:
-            with pin.held():
+            with pin.held(), _aot_compile_on():
                 functions = [torch.compiler.load_compiled_function(io.BytesIO(unpacked.parts[n])) for n in names]
         except (RuntimeError, ValueError, EOFError, AttributeError) as e:
             raise LoweringError(f"{artifact}: torch could not load its precompiled functions ({type(e).__name__}: {e})") from e
@@ -177,3 +187,4 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
 class AotCompileCuda(CudaTarget, AotCompile):
     """`aot-compile:sm_90` (`:cuda`: the worker's own GPU): the program moved to the GPU, placed,
     sandboxed and verified like `aoti-cuda`; nothing pinned on the host CPU."""
+    static_shapes = AotCompile.static_shapes  # not CudaTarget's: the functions are static on any device

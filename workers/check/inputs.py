@@ -48,14 +48,17 @@ def _other_values(example: int, lo: int, hi: int, n: int) -> list[int]:
 
 
 def _like(example: torch.Tensor, shape: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Random values of the example's kind, on its device (drawn on the CPU, where `gen` is, so a
+    program moved to a GPU gets the same values as on the CPU)."""
     if example.dtype.is_floating_point or example.dtype.is_complex:
-        return torch.randn(shape, dtype=example.dtype, generator=gen)
-    if example.dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    # Integer inputs are usually indices (token ids): stay within the example's value range.
-    lo = int(example.min()) if example.numel() else 0
-    hi = int(example.max()) if example.numel() else 1
-    return torch.randint(lo, hi + 1, shape, dtype=example.dtype, generator=gen)
+        drawn = torch.randn(shape, dtype=example.dtype, generator=gen)
+    elif example.dtype == torch.bool:
+        drawn = torch.randint(0, 2, shape, generator=gen).bool()
+    else:  # integer inputs are usually indices (token ids): stay within the example's value range
+        lo = int(example.min()) if example.numel() else 0
+        hi = int(example.max()) if example.numel() else 1
+        drawn = torch.randint(lo, hi + 1, shape, dtype=example.dtype, generator=gen)
+    return drawn.to(example.device)
 
 
 def _symbol_examples(ep: ExportedProgram) -> dict[sympy.Symbol, int]:
