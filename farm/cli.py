@@ -151,25 +151,24 @@ def submit(
 
 
 def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: int | None, detach: bool) -> bool:
-    """Hand the job to the farm service on the cluster, if one runs there; follow it unless detached."""
-    if not (address or os.environ.get("RAY_ADDRESS")):
-        return False
+    """Hand the job to the farm service that watches the store or runs on the cluster, if one does;
+    follow it unless detached."""
     from farm.console import console, out, status_line, watch_status
-    from farm.service_client import ServiceRefused, connect
-    from scheduler.errors import JoinFailed
-    from scheduler.ray_service import ServiceError
+    from farm.service_client import ServiceRefused, find
+    from scheduler.errors import JoinFailed, ServiceError
     from storage import StoreError
 
+    named = None if store == DEFAULT_STORE and "FARM_STORE" not in os.environ else store
     try:
-        service = connect(address)
+        service = find(address, named if address or os.environ.get("RAY_ADDRESS") else store)
         if service is None:
             return False
-        named = None if store == DEFAULT_STORE and "FARM_STORE" not in os.environ else store
         job_id = service.submit(job, named, workers=workers)
     except (JoinFailed, ServiceError, ServiceRefused, SpecError, StoreError) as e:
         raise _fail(str(e)) from e
     where = f"--store {service.store_uri}"
-    console.print(f"job {job_id} handed to the farm service ({job.priority}); `farm status {job_id} --watch {where}` "
+    console.print(f"job {job_id} handed to the farm service through {service.via} ({job.priority}); "
+                  f"`farm status {job_id} --watch {where}` "
                   f"follows it from any machine, `farm cancel {job_id}` cancels it")
     if detach:
         typer.echo(job_id)

@@ -29,7 +29,7 @@ from scheduler.fair import weight_of
 from scheduler.spec import JobSpec
 from storage import Store, UnknownKey
 from storage.results import read_results_table
-from storage.service_jobs import ServiceJobs
+from storage.service_jobs import ServiceInbox, ServiceJobs
 from storage.stats import STATS_FILE
 
 __all__ = ["JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned", "resolve_job", "run",
@@ -75,12 +75,17 @@ class JobHandle:
     def status(self) -> dict[str, Any]:
         """How far the job got, from the store: state, total, queued, running, compiled, hit, failed, retries."""
         doc = read_status(self.store, self.job_id)
-        if doc is None:
-            record = ServiceJobs(self.store).get(self.job_id)  # a farm service's job it has not started yet
-            if record is None:
-                raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
+        if doc is not None:
+            return doc
+        record = ServiceJobs(self.store).get(self.job_id)  # a farm service's job it has not started yet
+        if record is not None:
             return {**empty_status(self.job_id, record.state), "error": record.error}
-        return doc
+        inbox = ServiceInbox(self.store)
+        if inbox.waiting(self.job_id):  # handed over through the store, not taken yet
+            waits = None if inbox.alive() else (f"no farm service watches {self.store.uri} now; the job waits in its "
+                                                "inbox for one (`farm serve`)")
+            return {**empty_status(self.job_id, "queued"), "error": waits}
+        raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
 
     def done(self) -> bool:
         if self._thread is not None:
@@ -156,12 +161,13 @@ def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, 
     `wait=False` it returns at once; the handle's `status()` follows it. `on_session(session,
     job_id)` is called once Ray is up (the CLI prints the dashboard's URL).
 
-    Where a farm service runs on that cluster (`farm serve`), the job is handed to it: it runs
-    there at `priority` (default: the spec's) and goes on if this process ends; `store` must be
-    the service's or None. `events` and `metrics_port` do not apply there."""
-    from farm.service_client import connect
+    Where a farm service runs on that cluster (`farm serve`), or watches the store, the job is
+    handed to it (farm/service_client.py, `find`): it runs there at `priority` (default: the
+    spec's) and goes on if this process ends; `store` must be the service's or None. `events` and
+    `metrics_port` do not apply there."""
+    from farm.service_client import find
 
-    service = connect(address)
+    service = find(address, store)
     if service is not None:
         s = service.store(store)
         handle = JobHandle(service.submit(spec, store, priority=priority, workers=workers), s)

@@ -23,8 +23,7 @@ def _address(address: str | None) -> str:
 def _service(address: str | None):
     """The service on the cluster, or a clear error."""
     from farm.service_client import connect
-    from scheduler.errors import JoinFailed
-    from scheduler.ray_service import ServiceError
+    from scheduler.errors import JoinFailed, ServiceError
 
     address = _address(address)
     try:
@@ -49,15 +48,16 @@ def serve(
     warm workers by priority."""
     from farm.console import out
     from farm.service_client import absolute_store
-    from scheduler.errors import JoinFailed
-    from scheduler.ray_service import ServiceError, start_service, stop_service
+    from scheduler.errors import JoinFailed, ServiceError
+    from scheduler.ray_service import start_service, stop_service
     from scheduler.ray_session import ray_session
-    from scheduler.shared_pool import ServiceConfig, idle_s_from_env
+    from scheduler.shared_pool import ServiceConfig, seconds_from_env
 
     address = _address(address)
     try:
-        config = ServiceConfig(max_workers=max_workers, min_workers=min_workers, idle_s=idle_s_from_env(),
-                               retries=retries)
+        config = ServiceConfig(max_workers=max_workers, min_workers=min_workers, retries=retries,
+                               idle_s=seconds_from_env("FARM_IDLE_S", 300),
+                               inbox_poll_s=seconds_from_env("FARM_INBOX_POLL_S", 0.25))
         with ray_session(address, keep=True):
             if stop:
                 said = stop_service()
@@ -71,8 +71,8 @@ def serve(
     resumed = f"; resumed jobs: {', '.join(info['resumed'])}" if info["resumed"] else ""
     out.print(f"farm service up on {address}: actor farm-scheduler (namespace farm), store {info['store']}, "
               f"idle workers stop after {config.idle_s:g}s (FARM_IDLE_S){resumed}")
-    out.print(f"submit with `farm submit JOB.yaml --address {address} [--priority interactive|batch|nightly]`; "
-              f"`farm jobs --address {address}` lists jobs")
+    out.print(f"submit with `farm submit JOB.yaml --store {info['store']}` (through the store: no Ray needed) or "
+              f"`--address {address}`, [--priority interactive|batch|nightly]; `farm jobs --address {address}` lists jobs")
 
 
 def jobs(address: Optional[str] = AddressOpt,

@@ -3,6 +3,12 @@
 A job's local graphs are uploaded to the service's store first and named by digest
 (`blob://sha256/...`), so the service never reads a client's paths; keys are computed in the
 service's sandboxes, so nothing here imports torch.
+
+A job reaches the service through its store's inbox where the store shows the service's
+heartbeat (storage/service_jobs.py, ServiceInbox): that path needs no Ray, so a laptop or a CI
+runner with the store's credentials submits without joining the cluster, and without Ray's
+start-up. Otherwise through Ray, to the `farm-scheduler` actor; `farm jobs` and `farm cancel`
+always go that way.
 """
 from __future__ import annotations
 
@@ -12,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from farm.stores import open_store
+from scheduler.fair import UnknownPriority, weight_of
 from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, is_local_source, load_job, parse_job
 from storage import Store
+from storage.service_jobs import ServiceInbox
 
 
 class ServiceRefused(ValueError):
@@ -31,8 +39,12 @@ def _same_store(a: str, b: str) -> bool:
 
 @dataclass
 class Service:
-    actor: Any
-    info: dict[str, Any]  # what its ping said: store, started_at, config
+    actor: Any | None  # None: reached through its store's inbox alone
+    info: dict[str, Any]  # what its ping (or heartbeat) said: store, started_at
+
+    @property
+    def via(self) -> str:
+        return "Ray" if self.actor is not None else "its store's inbox"
 
     @property
     def store_uri(self) -> str:
@@ -50,17 +62,32 @@ class Service:
     def submit(self, spec: JobSpec | dict | str | Path, store: str | Store | None = None, priority: str | None = None,
                workers: int | None = None) -> str:
         """Upload the job's local graphs and hand it over; its id."""
-        from scheduler.ray_service import call
-
         job = job_spec(spec)
         s = self.store(store)
         doc = upload_graphs(job, s)
         if workers is not None:
             doc.setdefault("limits", {})["workers"] = workers
+        if self.actor is None:
+            return self._post(job, doc, s, priority)
+        from scheduler.ray_service import call
+
         said = call(self.actor, "submit", doc, priority)
         if "error" in said:
             raise ServiceRefused(said["error"])
         return said["job_id"]
+
+    def _post(self, job: JobSpec, doc: dict[str, Any], store: Store, priority: str | None) -> str:
+        from scheduler.jobs import new_job_id
+
+        try:
+            if priority is not None:
+                weight_of(priority)
+            parse_job(doc, "the job as the farm service takes it")  # what the service checks, said here
+        except (UnknownPriority, SpecError) as e:
+            raise ServiceRefused(str(e)) from None
+        job_id = new_job_id(job.name)
+        ServiceInbox(store).post(job_id, doc, priority)
+        return job_id
 
     def jobs(self) -> list[dict[str, Any]]:
         from scheduler.ray_service import call
@@ -103,6 +130,18 @@ def _uploaded(source: str, store: Store) -> str:
         raise SpecError(f"{path} is not a file; name the .pt2 written by torch.export.save "
                         f"(relative paths start at the job file)")
     return f"{BLOB_SCHEME}sha256/{store.put_file(path).digest}"
+
+
+def find(address: str | None, store: str | Store | None) -> Service | None:
+    """The farm service to hand a job to: the one whose heartbeat is in the store (named, FARM_STORE,
+    or with no cluster named, the default), reached through the inbox; else the one on the
+    cluster at address (or RAY_ADDRESS), through Ray; None if neither."""
+    if store is not None or os.environ.get("FARM_STORE") or not (address or os.environ.get("RAY_ADDRESS")):
+        s = open_store(store)
+        beat = ServiceInbox(s).alive()
+        if beat is not None:
+            return Service(None, {**beat, "store": s.uri})
+    return connect(address)
 
 
 def connect(address: str | None) -> Service | None:

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+from scheduler.errors import ServiceError
 from scheduler.service import FarmScheduler
 from scheduler.shared_pool import ServiceConfig
 
@@ -22,10 +23,6 @@ CALL_S = 60.0
 # or a node loss, and the new one resumes the jobs in the store's records. Threaded, so a client's
 # `farm jobs` is answered while jobs are planned.
 _RemoteScheduler = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=64)(FarmScheduler)
-
-
-class ServiceError(RuntimeError):
-    """The farm service could not be started, reached or stopped; the message says what to do."""
 
 
 def find_service() -> Any | None:

@@ -2,7 +2,9 @@
 (scheduler/ray_service.py places it). It holds one pool of warm workers for every job
 (scheduler/shared_pool.py), runs each job handed to it in a thread of its own (plan, run,
 results: scheduler.jobs.execute, as `farm submit` does in its own process), and keeps a record
-of each job in the store (storage/service_jobs.py).
+of each job in the store (storage/service_jobs.py). Jobs reach it through Ray (`submit`), or
+through the store's inbox, which it lists every `inbox_poll_s` beside writing its heartbeat:
+clients that see the heartbeat need no Ray at all (farm/service_client.py).
 
 Faults: Ray restarts the actor after it dies (max_restarts=-1). Its workers die with it (they are
 its children); the new one reads the records and runs every job that had not ended again under
@@ -16,15 +18,16 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import asdict
 from typing import Any, Iterator
 
 from scheduler.fair import UnknownPriority, weight_of
-from scheduler.jobs import STATUS_FILE, NoEvents, execute, new_job_id, read_status
+from scheduler.jobs import STATUS_FILE, NoEvents, empty_status, execute, new_job_id, read_status
 from scheduler.shared_pool import ServiceConfig, SharedPool
 from scheduler.spec import JobSpec, SpecError, is_local_source, parse_job
 from storage import CacheConfig, Store, StoreError, store_from_uri
-from storage.service_jobs import JobRecord, ServiceJobs, now
+from storage.service_jobs import BEAT_S, JOB_ID, InboxEntry, JobRecord, ServiceInbox, ServiceJobs, now
 from workers.unit import Gang, Unit, UnitResult
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class FarmScheduler:
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
         self.config = config
         self.records = ServiceJobs(self.store)
+        self.inbox = ServiceInbox(self.store)
         self.metrics = ServiceMetrics()
         self.pool = SharedPool(RayCluster(), self.store.uri, config, on_start=self.metrics.started)
         self.started_at = now()
@@ -78,6 +82,7 @@ class FarmScheduler:
         self._active: dict[str, JobRecord] = {}
         self._ended: collections.deque[JobRecord] = collections.deque(maxlen=ENDED_SHOWN)
         self._stopped = False
+        self._halt = threading.Event()  # ends the inbox's watch
         self.resumed = []
         for record in self.records.all():
             if record.active:
@@ -88,14 +93,17 @@ class FarmScheduler:
             else:
                 self._ended.append(record)
         self.metrics.watch(self._named_load)
+        self._inbox_thread = threading.Thread(target=self._watch_inbox, name="farm inbox", daemon=True)
+        self._inbox_thread.start()
 
     # calls from clients -------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
         return {"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid(),
                 "config": asdict(self.config), "resumed": list(self.resumed)}
 
-    def submit(self, spec: dict[str, Any], priority: str | None = None) -> dict[str, Any]:
-        """Accept a job (its graphs already in the store, as blob:// addresses) or say why not."""
+    def submit(self, spec: dict[str, Any], priority: str | None = None, job_id: str | None = None) -> dict[str, Any]:
+        """Accept a job (its graphs already in the store, as blob:// addresses) or say why not;
+        `job_id`: the one its client chose (an inbox entry's), else a new one."""
         if self._stopped:
             return {"error": "the farm service is stopping; start it again with `farm serve`"}
         try:
@@ -109,9 +117,13 @@ class FarmScheduler:
         if local:
             return {"error": f"the job names graphs by a path on the submitting machine ({', '.join(local[:3])}); "
                              f"farm.client.submit uploads them to the store first: submit through it or `farm submit`"}
-        record = JobRecord(new_job_id(job.name), job.name, job.priority, job.model_dump(mode="json", exclude={"base_dir"}))
+        if job_id is not None and (not JOB_ID.fullmatch(job_id) or self.store.get_job_file(job_id, STATUS_FILE)):
+            return {"error": f"job id {job_id!r} is not one the farm makes, or is taken; submit again", "taken": True}
+        record = JobRecord(job_id or new_job_id(job.name), job.name, job.priority,
+                           job.model_dump(mode="json", exclude={"base_dir"}))
         try:
-            self.records.put(record)
+            if not self.records.put(record, if_absent=True):
+                return {"error": f"job {record.job_id} is recorded already", "taken": True}
         except StoreError as e:
             return {"error": f"the farm service could not record the job in {self.store.uri}: {e}; try again"}
         self._launch(record)
@@ -149,6 +161,12 @@ class FarmScheduler:
         """End the service: every unit queued or running ends failed (retryable) and every active
         job is recorded as cancelled, so a later service does not run it again."""
         self._stopped = True
+        self._halt.set()
+        self._inbox_thread.join(timeout=30)
+        try:
+            self.inbox.stop_beating()  # clients hand their jobs over no more: they run them themselves
+        except StoreError as e:
+            log.warning("farm service: heartbeat not removed (%s); it goes stale in seconds", e)
         with self._lock:
             active = list(self._active.values())
         for record in active:
@@ -172,6 +190,39 @@ class FarmScheduler:
     def unit_starts(self) -> list[tuple[str, str, float]]:
         """(job, unit, when) for every unit this scheduler sent to a worker, in order (tests)."""
         return self.metrics.starts()
+
+    # the store's inbox ---------------------------------------------------------------
+    def _watch_inbox(self) -> None:
+        next_beat = 0.0
+        while not self._halt.is_set():
+            try:
+                if time.monotonic() >= next_beat:
+                    self.inbox.beat({"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid()})
+                    next_beat = time.monotonic() + BEAT_S
+                for entry in self.inbox.entries():
+                    if self._halt.is_set():
+                        break
+                    self._take(entry)
+            except StoreError as e:  # the store is out of reach for now: the entries wait there
+                log.warning("farm service: inbox not read (%s); trying again", e)
+            except Exception:  # noqa: BLE001 - the watch must outlive one bad entry
+                log.exception("farm service: inbox watch failed once; going on")
+            self._halt.wait(self.config.inbox_poll_s)
+
+    def _take(self, entry: InboxEntry) -> None:
+        """Record the entry's job (or its refusal, in its status) first, then remove the entry."""
+        if self._stopped:
+            return  # stopping: the entry waits for the next service
+        said = self.submit(entry.spec, entry.priority, entry.job_id) if entry.spec is not None else {"error": entry.error}
+        if "error" in said and not said.get("taken") and entry.job_id is not None:
+            doc = {**empty_status(entry.job_id, "rejected"), "updated_at": now(),
+                   "error": f"the farm service refused the job: {said['error']}"}
+            # never over another job's status (an entry can name any id)
+            self.store.backend.write(f"jobs/{entry.job_id}/{STATUS_FILE}", json.dumps(doc, indent=1).encode(),
+                                     if_absent=True)
+        if "error" in said:
+            log.warning("farm service: inbox entry %s refused: %s", entry.path, said["error"])
+        self.inbox.done(entry)
 
     # jobs ---------------------------------------------------------------------------
     def _status(self, job_id: str) -> dict[str, Any]:

@@ -40,14 +40,15 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # how often results are awaited while a worker is free for new units
 
 
-def idle_s_from_env() -> float:
-    raw = os.environ.get("FARM_IDLE_S", "300")
+def seconds_from_env(name: str, default: float) -> float:
+    """A non-negative number of seconds from the environment (FARM_IDLE_S, FARM_INBOX_POLL_S)."""
+    raw = os.environ.get(name, str(default))
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"FARM_IDLE_S={raw!r} is not a number of seconds; unset it for 300") from None
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; unset it for {default:g}") from None
     if value < 0:
-        raise ValueError(f"FARM_IDLE_S={raw!r} is negative; give the seconds an idle worker stays up")
+        raise ValueError(f"{name}={raw!r} is negative; give a number of seconds, or unset it for {default:g}")
     return value
 
 
@@ -58,6 +59,7 @@ class ServiceConfig:
     idle_s: float = 300.0  # an idle worker beyond min_workers stops after this
     retries: int = 2
     start_attempts: int = 3
+    inbox_poll_s: float = 0.25  # how often the store's inbox is listed (storage/service_jobs.py, ServiceInbox)
 
 
 @dataclass(eq=False)  # a slot is itself: two idle ones must never compare equal (list.remove)

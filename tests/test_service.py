@@ -191,6 +191,37 @@ def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_d
     assert SERVICE == "farm-scheduler"
 
 
+def test_a_client_without_ray_hands_its_job_over_through_the_store(service, zoo_dir, tmp_path):
+    """A laptop or CI runner that has the store but no Ray: `farm submit --store` sees the service's
+    heartbeat, puts the job in the store's inbox and follows it there. A bad entry written straight
+    into the inbox is refused in that job's status, and the service goes on."""
+    import os
+    import re
+
+    from storage.service_jobs import ServiceInbox
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps(_job(zoo_dir, ["mlp"], "no-ray", verify={"atol": 0.5})))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    no_ray = "import sys; sys.modules['ray'] = None; from farm.cli import app; app()"  # `import ray` fails
+    done = subprocess.run([sys.executable, "-c", no_ray, "submit", str(spec), "--store", service.store_uri,
+                           "--priority", "interactive"], capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and "through its store's inbox" in said, said[-3000:]
+    job_id = re.search(r"job (\S+) handed to the farm service", said).group(1)
+    assert {j["job_id"]: j["priority"] for j in service.jobs()}[job_id] == "interactive"
+    assert [r["status"] for r in read_results(service.store(), job_id)] in (["compiled"], ["hit"])
+
+    inbox = ServiceInbox(service.store())
+    inbox.post("hostile-1", {"graphs": ["/etc/passwd"], "targets": [CHEAP]}, None)
+    handle = client.JobHandle("hostile-1", service.store())
+    handle.wait(timeout=60, every=0.25)
+    doc = handle.status()
+    assert doc["state"] == "rejected" and "path on the submitting machine" in doc["error"], doc
+    assert not inbox.waiting("hostile-1") and "hostile-1" not in {j["job_id"] for j in service.jobs()}
+
+
 def test_the_services_metrics_reach_prometheus_and_its_dashboard_names_only_them(service, ray_cluster):
     import re
     import urllib.request
