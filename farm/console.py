@@ -193,15 +193,17 @@ def status_table(doc: dict) -> Table:
 
 
 def watch_status(read, every: float) -> dict:
-    """Redraw the job's status table from the store every `every` seconds until the job ends."""
+    """Redraw the job's status table from the store until the job ends: soon at first (a job of hits
+    ends in a fraction of a second), then every `every` seconds."""
     from rich.live import Live
 
     from scheduler.jobs import ENDED
 
     doc = read()
+    soon = time.monotonic() + 2.0
     with Live(status_table(doc), console=out, auto_refresh=False) as live:
         while doc["state"] not in ENDED:
-            time.sleep(every)
+            time.sleep(min(every, 0.05) if time.monotonic() < soon else every)
             doc = read()
             live.update(status_table(doc), refresh=True)
     return doc

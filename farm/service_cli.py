@@ -57,7 +57,7 @@ def serve(
     try:
         config = ServiceConfig(max_workers=max_workers, min_workers=min_workers, retries=retries,
                                idle_s=seconds_from_env("FARM_IDLE_S", 300),
-                               inbox_poll_s=seconds_from_env("FARM_INBOX_POLL_S", 0.25))
+                               inbox_poll_s=seconds_from_env("FARM_INBOX_POLL_S", None))
         with ray_session(address, keep=True):
             if stop:
                 said = stop_service()

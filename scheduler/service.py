@@ -93,6 +93,8 @@ class FarmScheduler:
             else:
                 self._ended.append(record)
         self.metrics.watch(self._named_load)
+        local = self.store.uri.startswith("file://")
+        self._inbox_poll_s = config.inbox_poll_s if config.inbox_poll_s is not None else 0.05 if local else 0.5
         self._inbox_thread = threading.Thread(target=self._watch_inbox, name="farm inbox", daemon=True)
         self._inbox_thread.start()
 
@@ -207,7 +209,7 @@ class FarmScheduler:
                 log.warning("farm service: inbox not read (%s); trying again", e)
             except Exception:  # noqa: BLE001 - the watch must outlive one bad entry
                 log.exception("farm service: inbox watch failed once; going on")
-            self._halt.wait(self.config.inbox_poll_s)
+            self._halt.wait(self._inbox_poll_s)
 
     def _take(self, entry: InboxEntry) -> None:
         """Record the entry's job (or its refusal, in its status) first, then remove the entry."""

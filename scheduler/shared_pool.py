@@ -40,15 +40,19 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # how often results are awaited while a worker is free for new units
 
 
-def seconds_from_env(name: str, default: float) -> float:
-    """A non-negative number of seconds from the environment (FARM_IDLE_S, FARM_INBOX_POLL_S)."""
-    raw = os.environ.get(name, str(default))
+def seconds_from_env(name: str, default: float | None) -> float | None:
+    """A non-negative number of seconds from the environment (FARM_IDLE_S, FARM_INBOX_POLL_S), or
+    the default where it is unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    unset = f"unset it for {default:g}" if default is not None else "unset it for the default"
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds; unset it for {default:g}") from None
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; {unset}") from None
     if value < 0:
-        raise ValueError(f"{name}={raw!r} is negative; give a number of seconds, or unset it for {default:g}")
+        raise ValueError(f"{name}={raw!r} is negative; give a number of seconds, or {unset}")
     return value
 
 
@@ -59,7 +63,9 @@ class ServiceConfig:
     idle_s: float = 300.0  # an idle worker beyond min_workers stops after this
     retries: int = 2
     start_attempts: int = 3
-    inbox_poll_s: float = 0.25  # how often the store's inbox is listed (storage/service_jobs.py, ServiceInbox)
+    # how often the store's inbox is listed (storage/service_jobs.py, ServiceInbox); None: every
+    # 0.05 s on a local store, 0.5 s on S3 (where each listing is a billed request)
+    inbox_poll_s: float | None = None
 
 
 @dataclass(eq=False)  # a slot is itself: two idle ones must never compare equal (list.remove)
