@@ -24,6 +24,10 @@ Priority = Literal["interactive", "batch", "nightly"]
 # Shares a job of each class gets against the others when all want more workers than there are.
 PRIORITY_WEIGHTS: dict[str, float] = {"interactive": 16.0, "batch": 4.0, "nightly": 1.0}
 DEFAULT_PRIORITY: Priority = "batch"
+# The niceness of a class's sandbox children (workers/sandbox/process.py, `yield_cpu`): where units
+# of several classes share a node's cores, the kernel gives an interactive unit's compile most of
+# the CPU (nice 10 weighs about a tenth of nice 0). Alone, a niced unit runs as fast as any.
+NICENESS: dict[str, int] = {"interactive": 0, "batch": 5, "nightly": 10}
 
 
 class UnknownPriority(ValueError):

@@ -36,12 +36,13 @@ class CompileWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, unit: Unit, job: str | None = None) -> UnitResult:
+    def run(self, unit: Unit, job: str | None = None, niceness: int = 0) -> UnitResult:
         self.host_facts.join()
         with self._child:
             if job is not None and self.served not in (None, job):
                 self.sandbox.renew()  # no child serves two jobs (the pool normally renewed it while idle)
             self.served = job
+            self.sandbox.yield_cpu(niceness)
             result = run_unit(unit, self.store, self.sandbox)
         result.worker = self.where
         return result

@@ -59,8 +59,8 @@ class RayCluster:
     def ready(self, actor: Any) -> Any:
         return actor.pid.remote()
 
-    def submit(self, actor: Any, unit: Unit, job: str | None = None) -> Any:
-        return actor.run.options(name=f"compile {unit.unit_id}").remote(unit, job)
+    def submit(self, actor: Any, unit: Unit, job: str | None = None, niceness: int = 0) -> Any:
+        return actor.run.options(name=f"compile {unit.unit_id}").remote(unit, job, niceness)
 
     def wait(self, futures: list[Any], timeout: float) -> list[Any]:
         return ray.wait(futures, num_returns=1, timeout=timeout)[0]

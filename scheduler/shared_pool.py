@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 from ray.exceptions import RayTaskError
 
-from scheduler.fair import FairShare
+from scheduler.fair import NICENESS, FairShare
 from scheduler import pool
 from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error, unoffered
 from workers.backends import Placement, resolve
@@ -367,7 +367,8 @@ class SharedPool:
             job.running += 1
             self.fair.started(p.job)
             slot.unit, slot.job, slot.retries, slot.started = p.unit, p.job, p.retries, now
-            slot.future, slot.rested = self.cluster.submit(slot.actor, p.unit, p.job), False
+            slot.future = self.cluster.submit(slot.actor, p.unit, p.job, NICENESS.get(job.priority, 0))
+            slot.rested = False
             job.outbox.put(("started", p.unit, None))
             self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
         while len([s for s in self.slots if not s.leaving]) < capacity and (resource := self._starved()) is not None:

@@ -46,7 +46,7 @@ class FakeCluster:
     def ready(self, actor):
         return _died_with(ValueError("FARM_CACHE_GB='lots' is not a number")) if actor["dies"] else Future(actor["id"])
 
-    def submit(self, actor, unit, job=None):
+    def submit(self, actor, unit, job=None, niceness=0):
         self.attempts[unit.unit_id] += 1
         self.ran.append((actor["name"], unit.target.label))
         what = self.runs(unit, self.attempts[unit.unit_id])

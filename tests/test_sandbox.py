@@ -117,14 +117,22 @@ def test_the_child_holds_no_credentials_and_works_in_the_unit_dir(monkeypatch, t
 
 
 def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
+    """Its limits, and the niceness a farm service's nightly units run at (on every thread of the
+    child, which what it starts inherits)."""
     from workers.unit import Target, Unit
 
     limits = UnitLimits(timeout_s=30, memory_gb=6, file_gb=1)
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None, limits=limits)
     with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        sandbox.yield_cpu(10)
         sandbox.call("identify", workdir, limits, time.monotonic() + 120, unit=unit,
                      program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
         text = Path(f"/proc/{sandbox.pid}/limits").read_text()
+        tasks = list(Path(f"/proc/{sandbox.pid}/task").iterdir())
+        niceness = {int(t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks}
+        sandbox.renew()  # the next job's child starts at the default
+        assert sandbox.niceness == 0
+    assert len(tasks) > 1 and niceness == {10}, niceness
     rows = {line[:26].strip(): line[26:].split() for line in text.splitlines()[1:]}
     assert rows["Max address space"][0] == str(6 << 30)
     assert rows["Max file size"][0] == str(1 << 30)

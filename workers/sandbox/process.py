@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import select
@@ -40,6 +41,8 @@ from typing import Any, Iterator
 from workers.sandbox import jail, tempdirs
 from workers.sandbox.env import child_env, jailed_env
 from workers.unit import UnitLimits
+
+log = logging.getLogger(__name__)
 
 MAX_REPLY = 64 << 20
 STARTUP_S = 300.0  # a child that has not imported torch by then is broken
@@ -90,6 +93,7 @@ class Sandbox:
         self.starts = 0  # children started so far: one, unless units failed
         self.start_waited_s = 0.0  # how long the last call waited for its child to start
         self.cost = SandboxCost()
+        self.niceness = 0  # the children's, until `renew` (see `yield_cpu`)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -142,6 +146,7 @@ class Sandbox:
         if self._spawned is not None:
             self.start_waited_s = self._wait_ready()
             deadline += self.start_waited_s  # the child's start (torch's import) is not the unit's time
+        self._renice()
         log = cwd / f".sandbox-{step}.log"
         request = pickle.dumps({"step": step, "cwd": str(cwd), "log": str(log),
                                 "cpu_s": limits.cpu_s, "kwargs": kwargs})
@@ -317,9 +322,27 @@ class Sandbox:
         if self._proc is not None and self._env != {k: v for k, v in child_env(Path()).items() if k != "HOME"}:
             self._kill()
 
+    def yield_cpu(self, niceness: int) -> None:
+        """Run this child's steps, and those of the children after it until `renew`, at this
+        niceness: a farm service's nightly units yield the CPU to an interactive job's on the same
+        node (scheduler/fair.py, NICENESS). Only ever raised for a child: an unprivileged process
+        cannot lower it again, so `renew` (a fresh child) goes back to 0."""
+        self.niceness = max(self.niceness, niceness)
+
+    def _renice(self) -> None:
+        """Every thread of the child and of what it started (g++, Inductor's compile workers) is in
+        its process group; PRIO_PGRP sets them all (PRIO_PROCESS would set one thread)."""
+        pid = self.pid
+        if self.niceness and pid:
+            try:
+                os.setpriority(os.PRIO_PGRP, os.getpgid(pid), self.niceness)
+            except OSError as e:  # ran on, at the default priority
+                log.warning("sandbox child %d not reniced to %d: %s", pid, self.niceness, e)
+
     def renew(self) -> None:
         """After a job: its child never serves another job. A fresh one starts now, with the same
         limits, so the next job finds it warm."""
+        self.niceness = 0
         if self._proc is not None and self._started_for is not None:
             self.retire(*self._started_for)
 
