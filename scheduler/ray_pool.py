@@ -51,8 +51,18 @@ class RayCluster:
         if self._connect is not None:
             self._connect()
 
-    def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str) -> Any:
+    def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str,
+              beside: bool = False) -> Any:
         self.up()
+        if beside:  # a burst worker (scheduler/shared_pool.py): Ray accounts none of the node's CPUs to it
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and
+                     all(n["Resources"].get(r, 0) >= q for r, q in placement.resources.items())]
+            if not nodes:
+                raise RuntimeError(f"no node offers {placement.resources}")
+            return _RemoteWorker.options(name=name, namespace="farm", num_cpus=0, scheduling_strategy=(
+                NodeAffinitySchedulingStrategy(nodes[0], soft=False))).remote(store_uri, limits, device)
         return _RemoteWorker.options(name=name, namespace="farm", num_cpus=placement.cpus, num_gpus=placement.gpus,
                                      resources=placement.resources).remote(store_uri, limits, device)
 

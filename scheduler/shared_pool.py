@@ -11,6 +11,15 @@ WORKER_GRACE_S past its timeout has its worker replaced; every unit is reported 
 Between jobs a worker's sandbox child is renewed (CompileWorker.rest, called when it goes idle,
 and before a unit of another job): no child serves two jobs, and the next one is warm.
 
+A person's unit must not wait for a nightly's to end: while every worker of a CPU class is busy
+and one of them runs a unit of a lower class, the pool keeps `burst_workers` more workers of that
+class that serve only interactive units. They take no CPU of Ray's (placed beside the others on a
+node that offers the class), and the kernel gives them the CPU: lower classes' sandbox children
+run niced (scheduler/fair.py, NICENESS). So an interactive unit starts at once, on a warm worker,
+and compiles at nearly its speed alone; the nightly loses only the CPU it uses. A burst worker
+stops once its class has a free worker again, or if it cannot be started (its class then waits
+as before).
+
 A gang needs whole placement groups: `hold(cpus)` lowers the pool's size while it places and
 runs, so workers over it stop as soon as their unit ends (an idle one at once) and Ray can
 reserve the gang's bundles; other jobs keep the workers that are left.
@@ -38,6 +47,8 @@ from workers.unit import Unit, UnitLimits, UnitResult
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # how often results are awaited while a worker is free for new units
+BURST_CLASS = "interactive"  # the class burst workers serve
+BURST_RETRY_S = 60.0  # after a burst worker failed to start, its class gets none for this long
 
 
 def seconds_from_env(name: str, default: float | None) -> float | None:
@@ -66,6 +77,7 @@ class ServiceConfig:
     # how often the store's inbox is listed (storage/service_jobs.py, ServiceInbox); None: every
     # 0.05 s on a local store, 0.5 s on S3 (where each listing is a billed request)
     inbox_poll_s: float | None = None
+    burst_workers: int = 1  # per CPU class, for interactive units while the class is busy (see above)
 
 
 @dataclass(eq=False)  # a slot is itself: two idle ones must never compare equal (list.remove)
@@ -75,10 +87,11 @@ class _Slot(pool._Slot):
     idle_since: float = field(default_factory=time.monotonic)
     rested: bool = True  # its child serves no job yet (renewed since its last unit)
     leaving: bool = False  # stops when its unit ends (the pool shrank under it)
+    burst: bool = False  # beyond the pool's CPUs, for interactive units (see the module's doc)
 
     @property
     def name(self) -> str:
-        return f"farm-service/worker/{self.resource}/{self.index}.{self.generation}"
+        return f"farm-service/{'burst' if self.burst else 'worker'}/{self.resource}/{self.index}.{self.generation}"
 
     @property
     def free(self) -> bool:
@@ -119,6 +132,7 @@ class SharedPool:
         self._offered: dict[str, float] = cluster.offered()
         self._failed_starts: collections.Counter[str] = collections.Counter()
         self._next_index = 0
+        self._burst_after: dict[str, float] = {}  # class -> when a burst worker may be tried again
         self._lock = threading.RLock()
         self._stopping = False
         self._cancelled: set[str] = set()  # jobs cancelled, even before their units came
@@ -286,7 +300,7 @@ class SharedPool:
     def _start(self, slot: _Slot, resource: str) -> None:
         placement, device, limits = self._placements[resource]
         slot.resource, slot.generation = resource, slot.generation + 1
-        slot.actor = self.cluster.start(slot.name, placement, self.store_uri, limits, device)
+        slot.actor = self.cluster.start(slot.name, placement, self.store_uri, limits, device, beside=slot.burst)
         slot.ready = self.cluster.ready(slot.actor)
         slot.unit = slot.future = slot.job = None
         slot.rested, slot.leaving, slot.idle_since = True, False, time.monotonic()
@@ -302,12 +316,12 @@ class SharedPool:
     def _wanting(self, resource: str) -> set[str]:
         return {p.job for p in self.queues.get(resource, ())}
 
-    def _take(self, slot: _Slot) -> _Pending | None:
-        """The slot's next unit: the first queued one of the job fair share picks."""
+    def _take(self, slot: _Slot, only: str | None = None) -> _Pending | None:
+        """The slot's next unit: the first queued one of the job fair share picks (of class `only`)."""
         q = self.queues.get(slot.resource)
         if not q:
             return None
-        job = self.fair.pick(self._wanting(slot.resource))
+        job = self.fair.pick({j for j in self._wanting(slot.resource) if only is None or self._priority(j) == only})
         if job is None:
             return None
         p = next(p for p in q if p.job == job)
@@ -317,7 +331,7 @@ class SharedPool:
     def _starved(self) -> str | None:
         """The class with queued units and the fewest workers per queued unit, among those the
         cluster offers more slots for."""
-        workers = collections.Counter(s.resource for s in self.slots)
+        workers = collections.Counter(s.resource for s in self.slots if not s.burst)
         offered = self._offered
         wanting = [r for r, q in self.queues.items()
                    if q and workers[r] < min(int(offered.get(r, 0)), len(q) + sum(s.future is not None for s in self.slots
@@ -341,8 +355,9 @@ class SharedPool:
         self._offered = self.cluster.offered()  # once a round: what the cluster offers now
         self._unofferable()
         capacity = self._capacity()
-        staying = [s for s in self.slots if not s.leaving]
-        for slot in [s for s in self.slots if s.leaving][: max(0, capacity - len(staying))]:
+        pool = [s for s in self.slots if not s.burst]
+        staying = [s for s in pool if not s.leaving]
+        for slot in [s for s in pool if s.leaving][: max(0, capacity - len(staying))]:
             slot.leaving = False  # the pool grew again (a gang ended) before its unit did
             staying.append(slot)
         for slot in sorted(staying, key=lambda s: s.future is not None)[: max(0, len(staying) - capacity)]:
@@ -350,7 +365,7 @@ class SharedPool:
                 self._retire(slot)
             else:
                 slot.leaving = True
-        for slot in [s for s in self.slots if s.free]:
+        for slot in [s for s in pool if s.free]:
             p = self._take(slot)
             if p is None:
                 target = self._starved()
@@ -359,23 +374,62 @@ class SharedPool:
                 elif not slot.rested:
                     self.cluster.rest(slot.actor)
                     slot.rested = True
-                elif now - slot.idle_since > self.config.idle_s and len(self.slots) > self.config.min_workers:
+                elif now - slot.idle_since > self.config.idle_s and len(pool) > self.config.min_workers:
                     self._retire(slot)
                 continue
-            job = self.jobs[p.job]
-            job.queued -= 1
-            job.running += 1
-            self.fair.started(p.job)
-            slot.unit, slot.job, slot.retries, slot.started = p.unit, p.job, p.retries, now
-            slot.future = self.cluster.submit(slot.actor, p.unit, p.job, NICENESS.get(job.priority, 0))
-            slot.rested = False
-            job.outbox.put(("started", p.unit, None))
-            self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
-        while len([s for s in self.slots if not s.leaving]) < capacity and (resource := self._starved()) is not None:
+            self._dispatch(slot, p, now)
+        while len([s for s in self.slots if not s.leaving and not s.burst]) < capacity and \
+                (resource := self._starved()) is not None:
             slot = _Slot(resource, self._next_index)
             self._next_index += 1
             self._start(slot, resource)
             self.slots.append(slot)
+        self._burst(now)  # after the pool grew: a class still starting workers is not busy
+
+    def _dispatch(self, slot: _Slot, p: _Pending, now: float) -> None:
+        job = self.jobs[p.job]
+        job.queued -= 1
+        job.running += 1
+        self.fair.started(p.job)
+        slot.unit, slot.job, slot.retries, slot.started = p.unit, p.job, p.retries, now
+        slot.future = self.cluster.submit(slot.actor, p.unit, p.job, NICENESS.get(job.priority, 0))
+        slot.rested = False
+        job.outbox.put(("started", p.unit, None))
+        self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
+
+    def _burst(self, now: float) -> None:
+        """Burst workers (see the module's doc): started while their class is busy with a lower
+        class's unit among others, serving interactive units only, stopped once it is not."""
+        for resource, (placement, _, _) in self._placements.items():
+            bursts = [s for s in self.slots if s.burst and s.resource == resource]
+            busy = self._busy_below(resource)
+            for slot in [s for s in bursts if s.free]:
+                p = self._take(slot, BURST_CLASS) if busy else None
+                if p is not None:
+                    self._dispatch(slot, p, now)
+                elif not busy:
+                    self._retire(slot)
+            if busy and placement.gpus == 0 and len(bursts) < self.config.burst_workers and \
+                    now >= self._burst_after.get(resource, 0.0):
+                slot = _Slot(resource, self._next_index, burst=True)
+                self._next_index += 1
+                try:
+                    self._start(slot, resource)
+                except Exception as e:  # noqa: BLE001 - no node for it now: the class waits as it would without
+                    log.warning("farm shared pool: no burst worker for %s (%s)", resource, e)
+                    self._burst_after[resource] = now + BURST_RETRY_S
+                    continue
+                self.slots.append(slot)
+
+    def _busy_below(self, resource: str) -> bool:
+        """Every worker of the class runs a unit, and one of them a unit of a class below interactive."""
+        pool = [s for s in self.slots if s.resource == resource and not s.burst]
+        return bool(pool) and all(s.future is not None for s in pool) and \
+            any(self._priority(s.job) != BURST_CLASS for s in pool)
+
+    def _priority(self, job_id: str | None) -> str | None:
+        job = self.jobs.get(job_id) if job_id is not None else None
+        return job.priority if job is not None else None
 
     def _loop(self) -> None:
         while True:
@@ -411,6 +465,11 @@ class SharedPool:
                     slot.ready, slot.idle_since = None, time.monotonic()
                     self._failed_starts[slot.resource] = 0
                 except DIED as e:
+                    if slot.burst:  # its class waits as it would without one; no other try for a while
+                        log.warning("farm shared pool: burst worker for %s did not start (%s)", slot.resource, e)
+                        self._burst_after[slot.resource] = time.monotonic() + BURST_RETRY_S
+                        self._retire(slot)
+                        continue
                     self._failed_starts[slot.resource] += 1
                     if self._failed_starts[slot.resource] < self.config.start_attempts:
                         self._restart(slot)

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from scheduler.fair import PRIORITY_WEIGHTS, FairShare, UnknownPriority
+from scheduler.fair import NICENESS, PRIORITY_WEIGHTS, FairShare, UnknownPriority
 from scheduler.jobs import NoEvents
 from scheduler.shared_pool import ServiceConfig, SharedPool
 from storage import BlobRef
@@ -106,8 +106,8 @@ def test_the_shared_pool_starts_a_short_job_before_a_long_jobs_remaining_units()
     cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
     submit = cluster.submit
 
-    def gated(actor, unit, job=None):  # a unit runs until the test lets it end
-        future = submit(actor, unit, job)
+    def gated(actor, unit, job=None, niceness=0):  # a unit runs until the test lets it end
+        future = submit(actor, unit, job, niceness)
         future.done = False
         threading.Thread(target=lambda: (release.wait(), time.sleep(0.05), setattr(future, "done", True))).start()
         return future
@@ -128,6 +128,46 @@ def test_the_shared_pool_starts_a_short_job_before_a_long_jobs_remaining_units()
     pool.stop()
     assert starts[0] == "nightly" and starts[1] == "mine", starts
     assert len(box["nightly"]) == 4 and len(box["mine"]) == 1
+
+
+def test_an_interactive_unit_starts_at_once_on_a_burst_worker_while_a_nightly_fills_the_pool():
+    """One CPU, busy with a nightly's unit: a burst worker beside it (no CPU of its own) runs the
+    interactive unit now; a batch job's unit still waits for the pool; the burst worker stops
+    once the pool has a free worker again."""
+    release = threading.Event()
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
+    submit, nice = cluster.submit, {}
+
+    def gated(actor, unit, job=None, niceness=0):
+        nice[unit.graph] = niceness
+        future = submit(actor, unit, job, niceness)
+        if job != "mine":  # the nightly's and the batch job's units run until the test lets them end
+            future.done = False
+            threading.Thread(target=lambda: (release.wait(), setattr(future, "done", True))).start()
+        return future
+
+    cluster.submit = gated
+    starts: list[str] = []
+    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=60), on_start=lambda job, unit, p, w: starts.append(job))
+    box: dict = {}
+    nightly = _run_job(pool, "nightly", "nightly", [_unit(f"n{i}") for i in range(2)], box)
+    deadline = time.monotonic() + 10
+    while not starts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    batch = _run_job(pool, "batch", "batch", [_unit("b")], box)
+    mine = _run_job(pool, "mine", "interactive", [_unit("mine")], box)
+    mine.join(10)
+    assert starts == ["nightly", "mine"] and [r.status for _, r in box["mine"]] == ["compiled"], starts
+    assert [n for n in cluster.names if n.endswith("(beside)")] == ["farm-service/burst/farm_cpu_avx2/1.1 (beside)"]
+    assert nice == {"n0": NICENESS["nightly"], "mine": 0}
+    release.set()
+    nightly.join(10)
+    batch.join(10)
+    while any(s.burst for s in pool.slots) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(s.burst for s in pool.slots) and sorted(starts) == ["batch", "mine", "nightly", "nightly"]
+    pool.stop()
 
 
 def test_cancel_drops_queued_units_and_stops_running_ones_each_reported_once():
@@ -165,6 +205,10 @@ def test_idle_workers_rest_then_stop_and_a_job_cancelled_while_planning_queues_n
     pool.stop()
 
 
+def _workers(pool: SharedPool) -> list:
+    return [s for s in pool.slots if not s.burst]
+
+
 def test_a_gang_holding_cpus_shrinks_the_pool_as_units_end_and_it_grows_back_after():
     cluster = FakeCluster(runs=lambda u, n: "hang")
     pool = SharedPool(cluster, "mem://", ServiceConfig())
@@ -175,14 +219,14 @@ def test_a_gang_holding_cpus_shrinks_the_pool_as_units_end_and_it_grows_back_aft
         time.sleep(0.01)
     with pool.hold(1):
         time.sleep(0.2)
-        assert [s.leaving for s in pool.slots].count(True) == 1  # busy: it leaves when its unit ends
+        assert [s.leaving for s in _workers(pool)].count(True) == 1  # busy: it leaves when its unit ends
         busy = next(s for s in pool.slots if s.leaving)
         busy.future.value = UnitResult(busy.unit.graph, busy.unit.target.label, "compiled")
         busy.future.done = True  # its unit ends
         while busy in pool.slots and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert busy not in pool.slots and len(pool.slots) == 1 and pool.load()["jobs"]["j"]["queued"] == 2
-    while len(pool.slots) < 2 and time.monotonic() < deadline:
+        assert busy not in pool.slots and len(_workers(pool)) == 1 and pool.load()["jobs"]["j"]["queued"] == 2
+    while len(_workers(pool)) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(pool.slots) == 2  # the gang is done: the pool takes its CPU back
+    assert len(_workers(pool)) == 2  # the gang is done: the pool takes its CPU back
     pool.stop()

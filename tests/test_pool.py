@@ -36,10 +36,12 @@ class FakeCluster:
         self.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0}
         self.node_offers: list[dict] = []  # per node; [offers] when empty
         self.placed: list[dict] = []  # each started worker's custom resources
+        self.names: list[str] = []  # each started worker's name, " (beside)" for a burst worker
         self._ids = itertools.count()
 
-    def start(self, name, placement, store_uri, limits, device):
+    def start(self, name, placement, store_uri, limits, device, beside=False):
         self.started += 1
+        self.names.append(name + (" (beside)" if beside else ""))
         self.placed.append(placement.resources)
         return {"id": next(self._ids), "name": name, "dies": self.starts(self.started) != "ok"}
 
