@@ -11,14 +11,14 @@ WORKER_GRACE_S past its timeout has its worker replaced; every unit is reported 
 Between jobs a worker's sandbox child is renewed (CompileWorker.rest, called when it goes idle,
 and before a unit of another job): no child serves two jobs, and the next one is warm.
 
-A person's unit must not wait for a nightly's to end: while every worker of a CPU class is busy
-and one of them runs a unit of a lower class, the pool keeps `burst_workers` more workers of that
-class that serve only interactive units. They take no CPU of Ray's (placed beside the others on a
+A person's unit must not wait for a nightly's to end: beside a CPU class's workers the pool keeps
+`burst_workers` more, warm, that serve only interactive units, and only while every worker of the
+class is busy and one of them with a lower class's unit. They take no CPU of Ray's (placed on a
 node that offers the class), and the kernel gives them the CPU: lower classes' sandbox children
 run niced (scheduler/fair.py, NICENESS). So an interactive unit starts at once, on a warm worker,
 and compiles at nearly its speed alone; the nightly loses only the CPU it uses. A burst worker
-stops once its class has a free worker again, or if it cannot be started (its class then waits
-as before).
+stops with the last worker of its class; one that cannot be started is not tried again for
+BURST_RETRY_S (its class then waits as it would without).
 
 A gang needs whole placement groups: `hold(cpus)` lowers the pool's size while it places and
 runs, so workers over it stop as soon as their unit ends (an idle one at once) and Ray can
@@ -398,18 +398,22 @@ class SharedPool:
         self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
 
     def _burst(self, now: float) -> None:
-        """Burst workers (see the module's doc): started while their class is busy with a lower
-        class's unit among others, serving interactive units only, stopped once it is not."""
+        """Burst workers (see the module's doc): kept warm beside a CPU class's workers for as long
+        as it has any, serving interactive units only while the class is busy with a lower one."""
         for resource, (placement, _, _) in self._placements.items():
-            bursts = [s for s in self.slots if s.burst and s.resource == resource]
+            workers = [s for s in self.slots if s.resource == resource and not s.burst]
+            bursts = [s for s in self.slots if s.resource == resource and s.burst]
             busy = self._busy_below(resource)
             for slot in [s for s in bursts if s.free]:
                 p = self._take(slot, BURST_CLASS) if busy else None
                 if p is not None:
                     self._dispatch(slot, p, now)
-                elif not busy:
+                elif not workers:
                     self._retire(slot)
-            if busy and placement.gpus == 0 and len(bursts) < self.config.burst_workers and \
+                elif not slot.rested:
+                    self.cluster.rest(slot.actor)
+                    slot.rested = True
+            if workers and placement.gpus == 0 and len(bursts) < self.config.burst_workers and \
                     now >= self._burst_after.get(resource, 0.0):
                 slot = _Slot(resource, self._next_index, burst=True)
                 self._next_index += 1

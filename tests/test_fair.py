@@ -131,9 +131,9 @@ def test_the_shared_pool_starts_a_short_job_before_a_long_jobs_remaining_units()
 
 
 def test_an_interactive_unit_starts_at_once_on_a_burst_worker_while_a_nightly_fills_the_pool():
-    """One CPU, busy with a nightly's unit: a burst worker beside it (no CPU of its own) runs the
-    interactive unit now; a batch job's unit still waits for the pool; the burst worker stops
-    once the pool has a free worker again."""
+    """One CPU, busy with a nightly's unit: the burst worker beside it (no CPU of its own, warm)
+    runs the interactive unit now; a batch job's unit still waits for the pool; the burst worker
+    stops with the pool's last worker."""
     release = threading.Event()
     cluster = FakeCluster()
     cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
@@ -164,9 +164,12 @@ def test_an_interactive_unit_starts_at_once_on_a_burst_worker_while_a_nightly_fi
     release.set()
     nightly.join(10)
     batch.join(10)
-    while any(s.burst for s in pool.slots) and time.monotonic() < deadline:
+    assert sorted(starts) == ["batch", "mine", "nightly", "nightly"]
+    pool.config = ServiceConfig(idle_s=0)  # the pool's workers go idle: the burst worker goes with the last
+    deadline = time.monotonic() + 10
+    while pool.slots and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not any(s.burst for s in pool.slots) and sorted(starts) == ["batch", "mine", "nightly", "nightly"]
+    assert not pool.slots
     pool.stop()
 
 
