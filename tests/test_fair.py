@@ -100,26 +100,38 @@ def _run_job(pool: SharedPool, job: str, priority: str, units, box: dict) -> thr
     return t
 
 
-def test_the_shared_pool_starts_a_short_job_before_a_long_jobs_remaining_units():
-    release = threading.Event()
+def _gated_pool(release: threading.Event, config: ServiceConfig, free: str | None = None):
+    """A one-CPU pool whose units (but job `free`'s) run until the test sets `release`; the jobs in
+    the order their units started, and each unit's niceness."""
     cluster = FakeCluster()
     cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
-    submit = cluster.submit
+    submit, nice, starts = cluster.submit, {}, []
 
-    def gated(actor, unit, job=None, niceness=0):  # a unit runs until the test lets it end
+    def gated(actor, unit, job=None, niceness=0):
+        nice[unit.graph] = niceness
         future = submit(actor, unit, job, niceness)
-        future.done = False
-        threading.Thread(target=lambda: (release.wait(), time.sleep(0.05), setattr(future, "done", True))).start()
+        if job != free:
+            future.done = False
+            threading.Thread(target=lambda: (release.wait(), time.sleep(0.05), setattr(future, "done", True))).start()
         return future
 
     cluster.submit = gated
-    starts: list[str] = []
-    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=60), on_start=lambda job, unit, p, w: starts.append(job))
-    box: dict = {}
-    long = _run_job(pool, "nightly", "nightly", [_unit(f"g{i}") for i in range(4)], box)
+    pool = SharedPool(cluster, "mem://", config, on_start=lambda job, unit, p, w: starts.append(job))
+    return cluster, pool, starts, nice
+
+
+def _until_started(starts: list) -> None:
     deadline = time.monotonic() + 10
     while not starts and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def test_the_shared_pool_starts_a_short_job_before_a_long_jobs_remaining_units():
+    release = threading.Event()
+    _, pool, starts, _ = _gated_pool(release, ServiceConfig(idle_s=60, burst_workers=0))  # fair share alone
+    box: dict = {}
+    long = _run_job(pool, "nightly", "nightly", [_unit(f"g{i}") for i in range(4)], box)
+    _until_started(starts)
     short = _run_job(pool, "mine", "interactive", [_unit("mine")], box)
     time.sleep(0.2)
     release.set()
@@ -135,26 +147,10 @@ def test_an_interactive_unit_starts_at_once_on_a_burst_worker_while_a_nightly_fi
     runs the interactive unit now; a batch job's unit still waits for the pool; the burst worker
     stops with the pool's last worker."""
     release = threading.Event()
-    cluster = FakeCluster()
-    cluster.offers = {"CPU": 1.0, "farm_cpu_avx2": 1.0}
-    submit, nice = cluster.submit, {}
-
-    def gated(actor, unit, job=None, niceness=0):
-        nice[unit.graph] = niceness
-        future = submit(actor, unit, job, niceness)
-        if job != "mine":  # the nightly's and the batch job's units run until the test lets them end
-            future.done = False
-            threading.Thread(target=lambda: (release.wait(), setattr(future, "done", True))).start()
-        return future
-
-    cluster.submit = gated
-    starts: list[str] = []
-    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=60), on_start=lambda job, unit, p, w: starts.append(job))
+    cluster, pool, starts, nice = _gated_pool(release, ServiceConfig(idle_s=60), free="mine")
     box: dict = {}
     nightly = _run_job(pool, "nightly", "nightly", [_unit(f"n{i}") for i in range(2)], box)
-    deadline = time.monotonic() + 10
-    while not starts and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until_started(starts)
     batch = _run_job(pool, "batch", "batch", [_unit("b")], box)
     mine = _run_job(pool, "mine", "interactive", [_unit("mine")], box)
     mine.join(10)
