@@ -355,9 +355,9 @@ class SharedPool:
         self._offered = self.cluster.offered()  # once a round: what the cluster offers now
         self._unofferable()
         capacity = self._capacity()
-        pool = [s for s in self.slots if not s.burst]
-        staying = [s for s in pool if not s.leaving]
-        for slot in [s for s in pool if s.leaving][: max(0, capacity - len(staying))]:
+        workers = [s for s in self.slots if not s.burst]
+        staying = [s for s in workers if not s.leaving]
+        for slot in [s for s in workers if s.leaving][: max(0, capacity - len(staying))]:
             slot.leaving = False  # the pool grew again (a gang ended) before its unit did
             staying.append(slot)
         for slot in sorted(staying, key=lambda s: s.future is not None)[: max(0, len(staying) - capacity)]:
@@ -365,7 +365,7 @@ class SharedPool:
                 self._retire(slot)
             else:
                 slot.leaving = True
-        for slot in [s for s in pool if s.free]:
+        for slot in [s for s in workers if s.free]:
             p = self._take(slot)
             if p is None:
                 target = self._starved()
@@ -374,7 +374,7 @@ class SharedPool:
                 elif not slot.rested:
                     self.cluster.rest(slot.actor)
                     slot.rested = True
-                elif now - slot.idle_since > self.config.idle_s and len(pool) > self.config.min_workers:
+                elif now - slot.idle_since > self.config.idle_s and len(workers) > self.config.min_workers:
                     self._retire(slot)
                 continue
             self._dispatch(slot, p, now)
@@ -427,9 +427,9 @@ class SharedPool:
 
     def _busy_below(self, resource: str) -> bool:
         """Every worker of the class runs a unit, and one of them a unit of a class below interactive."""
-        pool = [s for s in self.slots if s.resource == resource and not s.burst]
-        return bool(pool) and all(s.future is not None for s in pool) and \
-            any(self._priority(s.job) != BURST_CLASS for s in pool)
+        workers = [s for s in self.slots if s.resource == resource and not s.burst]
+        return bool(workers) and all(s.future is not None for s in workers) and \
+            any(self._priority(s.job) != BURST_CLASS for s in workers)
 
     def _priority(self, job_id: str | None) -> str | None:
         job = self.jobs.get(job_id) if job_id is not None else None
