@@ -1,0 +1,44 @@
+"""The store's inbox a farm service takes jobs from (storage/service_jobs.py, ServiceInbox), on a
+local store, SeaweedFS and moto: what a client posts is read back until the service is done with
+it; entries a farm client did not write are refused, the oversized one unread; the heartbeat
+says whether a service watches the store. The service's side, on Ray: tests/test_service.py."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from storage.service_jobs import ALIVE, INBOX, INBOX_MAX_BYTES, ServiceInbox
+
+
+def test_entries_are_read_back_until_done_and_foreign_ones_are_refused(store):
+    inbox = ServiceInbox(store)
+    spec = {"graphs": [{"path": "blob://sha256/" + "0" * 64}], "targets": ["aoti-cpu"]}
+    inbox.post("mine-20261126-000000-abcd", spec, "interactive")
+    store.backend.write(f"{INBOX}not a job id.json", b"{}")
+    store.backend.write(f"{INBOX}big-1.json", b" " * (INBOX_MAX_BYTES + 1))
+    store.backend.write(f"{INBOX}junk-1.json", json.dumps({"spec": [1, 2]}).encode())
+    assert inbox.waiting("mine-20261126-000000-abcd") and not inbox.waiting("../mine")
+    entries = {e.path.removeprefix(INBOX): e for e in inbox.entries()}
+    mine = entries["mine-20261126-000000-abcd.json"]
+    assert (mine.job_id, mine.spec, mine.priority, mine.error) == ("mine-20261126-000000-abcd", spec, "interactive", None)
+    assert entries["not a job id.json"].job_id is None and "not a job id" in entries["not a job id.json"].error
+    assert entries["big-1.json"].spec is None and "over the" in entries["big-1.json"].error
+    assert entries["junk-1.json"].spec is None and "not a job the farm client wrote" in entries["junk-1.json"].error
+    for entry in entries.values():
+        inbox.done(entry)
+    assert inbox.entries() == [] and not inbox.waiting("mine-20261126-000000-abcd")
+    with pytest.raises(ValueError, match="not a job id"):
+        inbox.post("../escape", spec, None)
+
+
+def test_the_heartbeat_says_whether_a_service_watches_the_store(store):
+    inbox = ServiceInbox(store)
+    assert inbox.alive() is None
+    inbox.beat({"store": store.uri, "pid": 1})
+    assert inbox.alive()["store"] == store.uri
+    store.backend.write(ALIVE, json.dumps({"store": store.uri, "beat_at": time.time() - 60}).encode())
+    assert inbox.alive() is None and inbox.last_beat() is not None  # a service that stopped beating
+    inbox.stop_beating()
+    assert inbox.alive() is None and inbox.last_beat() is None
