@@ -21,6 +21,9 @@ def _fmt(value, spec: str) -> str:
 
 
 def main(root: Path) -> None:
+    if not (root / "jobs").is_dir():  # every job failed before it wrote anything: their logs say why
+        print(f"no job wrote results into {root}; see the compile and autotune logs beside this report")
+        return
     store = store_from_uri(str(root))
     print(f"{'job':<34} {'graph':<14} {'target':<44} {'status':<8} {'lower s':>8} {'compile s':>9} "
           f"{'max abs err':>11} {'eager ms':>9} {'compiled ms':>11} {'speedup':>7}")
