@@ -76,13 +76,24 @@ def serve(
 
 
 def jobs(address: Optional[str] = AddressOpt,
-         as_json: bool = typer.Option(False, "--json", help="print the jobs as a JSON list")) -> None:
+         as_json: bool = typer.Option(False, "--json", help="print the jobs as a JSON list"),
+         store: Optional[str] = typer.Option(None, "--store", help="read them from the service's store instead: "
+                                                                   "no Ray needed (counts lag by about a second)")) -> None:
     """Queued, running and recently ended jobs of the farm service, with progress and priority."""
     from rich.table import Table
 
     from farm.console import out
 
-    rows = _service(address).jobs()
+    if store is not None:
+        from farm.service_client import jobs_in_store
+        from storage import StoreError
+
+        try:
+            rows = jobs_in_store(store)
+        except StoreError as e:
+            raise fail(str(e)) from e
+    else:
+        rows = _service(address).jobs()
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return

@@ -7,8 +7,8 @@ service's sandboxes, so nothing here imports torch.
 A job reaches the service through its store's inbox where the store shows the service's
 heartbeat (storage/service_jobs.py, ServiceInbox): that path needs no Ray, so a laptop or a CI
 runner with the store's credentials submits without joining the cluster, and without Ray's
-start-up. Otherwise through Ray, to the `farm-scheduler` actor; `farm jobs` and `farm cancel`
-always go that way.
+start-up. Otherwise through Ray, to the `farm-scheduler` actor; `farm cancel` always goes that
+way, and `farm jobs` unless it is given the store (`jobs_in_store`).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from farm.stores import open_store
-from scheduler.fair import UnknownPriority, weight_of
+from scheduler.fair import DEFAULT_PRIORITY, UnknownPriority, weight_of
 from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, is_local_source, load_job, parse_job
 from storage import Store
-from storage.service_jobs import ServiceInbox
+from storage.service_jobs import COUNTED, ENDED_SHOWN, ServiceInbox, ServiceJobs
 
 
 class ServiceRefused(ValueError):
@@ -130,6 +130,28 @@ def _uploaded(source: str, store: Store) -> str:
         raise SpecError(f"{path} is not a file; name the .pt2 written by torch.export.save "
                         f"(relative paths start at the job file)")
     return f"{BLOB_SCHEME}sha256/{store.put_file(path).digest}"
+
+
+def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
+    """`farm jobs --store`, with no Ray: a farm service's jobs as its store has them, oldest first
+    (queued and running counts as of each job's last status write, about once a second), then
+    jobs still waiting in its inbox."""
+    from scheduler.jobs import read_status
+
+    s = open_store(store)
+    records = ServiceJobs(s).all()
+    ended = {r.job_id for r in [r for r in records if not r.active][-ENDED_SHOWN:]}  # the latest, as the service shows
+    counted = (*COUNTED, "queued", "running")
+    rows = []
+    for record in [r for r in records if r.active or r.job_id in ended]:
+        status = record.counts if record.counts is not None else (read_status(s, record.job_id) or {})
+        rows.append({**record.summary(), **{k: status.get(k, 0) for k in counted}})
+    for entry in ServiceInbox(s).entries():
+        if entry.job_id is not None and entry.spec is not None:
+            rows.append({"job_id": entry.job_id, "name": entry.job_id, "priority": entry.priority or DEFAULT_PRIORITY,
+                         "state": "queued", "submitted_at": "", "ended_at": None, "resumed": 0,
+                         "error": "in the store's inbox: no farm service has taken it yet", **{k: 0 for k in counted}})
+    return rows
 
 
 def find(address: str | None, store: str | Store | None) -> Service | None:

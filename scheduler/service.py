@@ -27,13 +27,12 @@ from scheduler.jobs import STATUS_FILE, NoEvents, empty_status, execute, new_job
 from scheduler.shared_pool import ServiceConfig, SharedPool
 from scheduler.spec import JobSpec, SpecError, is_local_source, parse_job
 from storage import CacheConfig, Store, StoreError, store_from_uri
-from storage.service_jobs import BEAT_S, JOB_ID, InboxEntry, JobRecord, ServiceInbox, ServiceJobs, now
+from storage.service_jobs import (BEAT_S, COUNTED, ENDED_SHOWN, JOB_ID, InboxEntry, JobRecord, ServiceInbox,
+                                  ServiceJobs, now)
 from workers.unit import Gang, Unit, UnitResult
 
 log = logging.getLogger(__name__)
 
-ENDED_SHOWN = 50  # ended jobs `farm jobs` lists
-COUNTED = ("total", "compiled", "hit", "failed", "skipped", "retries")  # of a job's status, in `farm jobs`
 
 
 class ServiceRunner:

@@ -33,7 +33,9 @@ STALE_S = 15.0  # a heartbeat older than this (by the reader's clock) means no s
 INBOX_MAX_BYTES = 1 << 20  # a job spec larger than this is refused unread
 TAKEN_PER_POLL = 64  # inbox entries one poll takes; the rest wait for the next
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,159}")
-RECORDS_KEPT = 200  # ended jobs' records kept for `farm jobs`
+RECORDS_KEPT = 200  # ended jobs' records kept
+ENDED_SHOWN = 50  # ended jobs `farm jobs` lists
+COUNTED = ("total", "compiled", "hit", "failed", "skipped", "retries")  # of a job's status, in `farm jobs`
 ACTIVE = ("queued", "running")
 
 

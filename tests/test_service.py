@@ -212,6 +212,11 @@ def test_a_client_without_ray_hands_its_job_over_through_the_store(service, zoo_
     job_id = re.search(r"job (\S+) handed to the farm service", said).group(1)
     assert {j["job_id"]: j["priority"] for j in service.jobs()}[job_id] == "interactive"
     assert [r["status"] for r in read_results(service.store(), job_id)] in (["compiled"], ["hit"])
+    listed = subprocess.run([sys.executable, "-c", no_ray, "jobs", "--json", "--store", service.store_uri],
+                            capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    row = {j["job_id"]: j for j in json.loads(listed.stdout)}[job_id]  # the same listing, from the store alone
+    assert (row["priority"], row["state"], row["total"], row["hit"] + row["compiled"]) == ("interactive", "done", 1, 1)
 
     inbox = ServiceInbox(service.store())
     inbox.post("hostile-1", {"graphs": ["/etc/passwd"], "targets": [CHEAP]}, None)
