@@ -12,7 +12,11 @@ import pytest
 from storage import Lease, Leases, store_from_uri
 
 
-def test_one_winner_per_generation_among_racing_workers(store):
+def test_one_winner_per_generation_among_racing_workers(store, request):
+    if request.node.callspec.params.get("store") == "moto":
+        # moto's server checks If-None-Match and then writes, in two steps (moto/s3/responses.py): two
+        # racing writers can both pass the check. S3 and SeaweedFS decide it atomically, as this test needs.
+        pytest.skip("moto's conditional PUT is not atomic under concurrent writers; raced on S3 (SeaweedFS) instead")
     leases = [Leases(store.backend, f"worker-{i}", ttl_s=5) for i in range(8)]
     won: list[Lease] = []
     barrier = threading.Barrier(len(leases))
