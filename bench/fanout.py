@@ -161,7 +161,7 @@ def _on_a_served_service(root: Path, graphs: list[str], targets: list[str], work
     from farm.service_client import Service
     from scheduler.ray_service import call, find_service, start_service, stop_service
     from scheduler.ray_session import ray_session
-    from scheduler.shared_pool import ServiceConfig
+    from scheduler.service_config import ServiceConfig
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-service")
     warm = root / "warm-graphs"

@@ -51,7 +51,7 @@ def serve(
     from scheduler.errors import JoinFailed, ServiceError
     from scheduler.ray_service import start_service, stop_service
     from scheduler.ray_session import ray_session
-    from scheduler.shared_pool import ServiceConfig, seconds_from_env
+    from scheduler.service_config import ServiceConfig, seconds_from_env
 
     address = _address(address)
     try:

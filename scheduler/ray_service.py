@@ -12,7 +12,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from scheduler.errors import ServiceError
 from scheduler.service import FarmScheduler
-from scheduler.shared_pool import ServiceConfig
+from scheduler.service_config import ServiceConfig
 
 SERVICE = "farm-scheduler"
 NAMESPACE = "farm"

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 
 from scheduler.fair import UnknownPriority, weight_of
 from scheduler.jobs import STATUS_FILE, NoEvents, empty_status, execute, new_job_id, read_status
-from scheduler.shared_pool import ServiceConfig, SharedPool
+from scheduler.service_config import ServiceConfig
+from scheduler.shared_pool import SharedPool
 from scheduler.spec import JobSpec, SpecError, is_local_source, parse_job
 from storage import CacheConfig, Store, StoreError, store_from_uri
 from storage.service_jobs import (BEAT_S, COUNTED, ENDED_SHOWN, JOB_ID, InboxEntry, JobRecord, ServiceInbox,

@@ -11,7 +11,8 @@ import pytest
 
 from scheduler.fair import NICENESS, PRIORITY_WEIGHTS, FairShare, UnknownPriority
 from scheduler.jobs import NoEvents
-from scheduler.shared_pool import ServiceConfig, SharedPool
+from scheduler.service_config import ServiceConfig
+from scheduler.shared_pool import SharedPool
 from storage import BlobRef
 from tests.test_pool import FakeCluster
 from workers.unit import Target, Unit, UnitLimits, UnitResult

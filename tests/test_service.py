@@ -15,7 +15,7 @@ import ray
 from farm import client
 from farm.service_client import ServiceRefused, connect
 from scheduler.ray_service import SERVICE, ServiceError, call, find_service, start_service, stop_service
-from scheduler.shared_pool import ServiceConfig
+from scheduler.service_config import ServiceConfig
 from scheduler.spec import SpecError
 from storage.results import read_results
 
