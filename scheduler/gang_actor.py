@@ -19,8 +19,10 @@ WAITING_NICE = 19
 
 
 class GangMember:
-    """One rank of a gang, started in the gang's placement group bundle for that rank; lives as
-    long as the gang (its work: scheduler/gang_rank.py's `GangRank`)."""
+    """One rank of a gang, started in the gang's placement group bundle for that rank, living as
+    long as the gang; or, in a farm service, beside the bundle and kept warm for later gangs of
+    the same shape (scheduler/gang_warm.py). Its work: scheduler/gang_rank.py's `GangRank`. A
+    waiting rank's nice lasts for the process: a warm one only ever serves as a waiting rank."""
 
     def __init__(self, store_uri: str, target: Any, limits: Any, device: str, rank: int, reads: bool,
                  identical_ranks: bool):
@@ -29,6 +31,12 @@ class GangMember:
         from scheduler.gang_rank import GangRank  # torch, the store, the pipeline: after the nice
 
         self.rank = GangRank(store_uri, target, limits, device, rank, reads, identical_ranks)
+
+    def begin(self, store_uri: str, target: Any, limits: Any, rank: int, identical_ranks: bool) -> None:
+        self.rank.begin(store_uri, target, limits, rank, identical_ranks)
+
+    def rest(self) -> None:
+        self.rank.rest()
 
     def host_store(self, timeout_s: float) -> tuple[str, int]:
         return self.rank.host_store(timeout_s)

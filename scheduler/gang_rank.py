@@ -28,15 +28,23 @@ class GangRank:
     def __init__(self, store_uri: str, target: Target, limits: UnitLimits, device: str, rank: int, reads: bool,
                  identical_ranks: bool):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
-        self.rank, self.host = rank, ray.util.get_node_ip_address()
-        self.rendezvous = None
+        self.host, self.device, self.reads = ray.util.get_node_ip_address(), device, reads
+        self.sandbox = Sandbox(network=True)  # its children verify through the gang's collectives
+        self.begin(store_uri, target, limits, rank, identical_ranks)
+
+    def begin(self, store_uri: str, target: Target, limits: UnitLimits, rank: int, identical_ranks: bool) -> None:
+        """Ready for a gang's rank: its first, or a later gang of the same shape in a farm service
+        (scheduler/gang_warm.py), which finds it with torch imported and, reading, a fresh child."""
+        if store_uri != self.store.uri:
+            self.store = store_from_uri(store_uri, CacheConfig.from_env())
+        self.rank = rank
+        self.rendezvous = None  # rank 0's, of this gang (a rank that hosted the last gang's must not reuse it)
         self.held = contextlib.ExitStack()  # the rank's work dir, from `read` to the end of `run`
         self.tmp: Path | None = None
         self.own: dict[str, Any] = {}  # what its graph says (`read`)
         self.early: EarlyCompile | None = None
-        self.sandbox = Sandbox(network=True)  # its children verify through the gang's collectives
-        if reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
-            self.sandbox.prestart(limits, device)
+        if self.reads:  # it loads its archive first thing (Gang.reader_of); the others start theirs if they need it
+            self.sandbox.prestart(limits, self.device)
         # Whether this host can build the target, asked by one rank (its probe builds serve the gang's
         # ranks on this host; four ranks that load and may then diverge are not slowed by four) and
         # as the rank starts: asked with its graph's load, the answer kept rank 0's compile waiting.
@@ -74,6 +82,15 @@ class GangRank:
             self.held.close()
         result.worker = f"{socket.gethostname()}/pid-{os.getpid()}/rank-{self.rank}"
         return result
+
+    def rest(self) -> None:
+        """Between gangs (scheduler/gang_warm.py): the child that served this one never serves
+        another. A reading rank's fresh one imports torch now, so the next gang finds it warm; a
+        waiting rank rests without one, as it starts (most gangs never need its child)."""
+        if self.reads:
+            self.sandbox.renew()
+        else:
+            self.sandbox.stop_child()
 
     def close(self) -> None:
         self.sandbox.close()

@@ -4,7 +4,7 @@ scheduler/ray_actors.py and scheduler/gang_actor.py).
 The worker pool (scheduler/pool.py) runs on Ray through `RayCluster`: one `CompileWorker`
 actor per slot, asking Ray for what its backend's `Placement` says (CPUs, a share of a GPU,
 its device class). Gangs get a placement group and one `GangMember` actor per rank
-(`GangRunner`). Joining or starting a cluster is `ray_session`'s.
+(`GangRunner`; in a farm service, warm ones beside the bundles: scheduler/gang_warm.py). Joining or starting a cluster is `ray_session`'s.
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from typing import Any, Callable, Iterator
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from scheduler.gang_actor import GangMember
+from scheduler.gang_warm import WarmRanks
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from scheduler.ray_actors import CompileWorker
 from storage import Store
@@ -55,8 +56,6 @@ class RayCluster:
               beside: bool = False) -> Any:
         self.up()
         if beside:  # a burst worker (scheduler/shared_pool.py): Ray accounts none of the node's CPUs to it
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and
                      all(n["Resources"].get(r, 0) >= q for r, q in placement.resources.items())]
             if not nodes:
@@ -120,8 +119,8 @@ class GangRunner:
     """Places each gang with a placement group (one bundle per rank, all or nothing) and runs it;
     any rank's failure or death fails the whole gang, whose actors and bundles are then freed."""
 
-    def __init__(self, job_id: str, place_s: float = PLACE_S):
-        self.job_id, self.place_s = job_id, place_s
+    def __init__(self, job_id: str, place_s: float = PLACE_S, warm: WarmRanks | None = None):
+        self.job_id, self.place_s, self.warm = job_id, place_s, warm  # warm: a farm service's (gang_warm.py)
 
     def __call__(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         for gang in gangs:
@@ -158,6 +157,7 @@ class GangRunner:
         bundle, device = made
         pg = placement_group([bundle] * gang.world_size, strategy="PACK", name=f"{self.job_id}/gang/{gang.label}")
         actors: list = []
+        warm: WarmRanks | None = None
         self._returned = False
         try:
             if not pg.wait(timeout_seconds=self.place_s):
@@ -165,6 +165,9 @@ class GangRunner:
                                    f"within {self.place_s:g}s; free or add nodes", retryable=True) for u in gang.ranks]
 
             def start(r: int) -> Any:
+                if warm:
+                    return self._warm_rank(warm, gang, r, placement_group_table(pg)["bundles_to_node_id"][r], device,
+                                           store_uri)
                 return _RemoteGangMember.options(
                     name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
@@ -172,13 +175,33 @@ class GangRunner:
                 ).remote(store_uri, gang.ranks[r].target, gang.ranks[r].limits, device, r, gang.reader_of(r) == r,
                          gang.identical)
 
+            warm = self.warm if self.warm is not None and self.warm.keeps(bundle) else None
             actors.extend(start(r) for r in range(gang.world_size) if gang.reader_of(r) == r)
             for unit in gang.ranks:
                 events.started(unit)
             return self._await(gang, actors, start)
         finally:
+            if warm:  # ranks of a gang that returned stay warm; the others are stopped below
+                actors = warm.back(actors, kept=self._returned)
             _stop(actors, close=self._returned)  # ranks still in a collective cannot answer a close
             remove_placement_group(pg)
+
+    @staticmethod
+    def _warm_rank(warm: WarmRanks, gang: Gang, r: int, node_id: str, device: str, store_uri: str) -> Any:
+        """Rank r's actor in a farm service: a warm one of its shape, readied for it, or a new one
+        beside its bundle, on that bundle's node (scheduler/gang_warm.py)."""
+        unit, reads = gang.ranks[r], gang.reader_of(r) == r
+        shape = (node_id, device, reads)
+        actor = warm.take(shape)
+        if actor is not None:
+            actor.begin.remote(store_uri, unit.target, unit.limits, r, gang.identical)
+        else:
+            actor = _RemoteGangMember.options(
+                name=warm.new_name(), namespace="farm", num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(store_uri, unit.target, unit.limits, device, r, reads, gang.identical)
+        warm.lend(actor, shape)
+        return actor
 
     def _await(self, gang: Gang, actors: list, start: Callable[[int], Any]) -> list[UnitResult]:
         """Every rank's result; the first rank to die or fail to answer stops the gang at once."""

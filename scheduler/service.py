@@ -56,7 +56,7 @@ class ServiceRunner:
             with self.pool.hold(min(gang.world_size, self.pool.cpus())):
                 # workers over the smaller pool leave as their unit ends: within the longest unit's limit
                 place_s = PLACE_S + self.pool.longest_timeout()
-                yield from GangRunner(self.job_id, place_s)([gang], store, events)
+                yield from GangRunner(self.job_id, place_s, self.pool.gang_ranks)([gang], store, events)
 
 
 def local_sources(job: JobSpec) -> list[str]:

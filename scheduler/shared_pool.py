@@ -22,7 +22,9 @@ BURST_RETRY_S (its class then waits as it would without).
 
 A gang needs whole placement groups: `hold(cpus)` lowers the pool's size while it places and
 runs, so workers over it stop as soon as their unit ends (an idle one at once) and Ray can
-reserve the gang's bundles; other jobs keep the workers that are left.
+reserve the gang's bundles; other jobs keep the workers that are left. A gang's ranks stay warm
+after it (`gang_ranks`, scheduler/gang_warm.py) for later gangs of the same shape, holding no CPU
+of Ray's while idle, and leave after `idle_s` as workers do.
 The cluster's calls go through `scheduler.pool.Cluster` (Ray's: scheduler/ray_pool.py).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Callable, Iterator
 from ray.exceptions import RayTaskError
 
 from scheduler.fair import NICENESS, FairShare
+from scheduler.gang_warm import WarmRanks
 from scheduler import pool
 from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error, unoffered
 from scheduler.service_config import ServiceConfig
@@ -107,6 +110,7 @@ class SharedPool:
         self._lock = threading.RLock()
         self._stopping = False
         self._cancelled: set[str] = set()  # jobs cancelled, even before their units came
+        self.gang_ranks = WarmRanks(config.idle_s)  # gangs' ranks, kept warm (scheduler/gang_warm.py)
         self._on_start = on_start or (lambda job, unit, priority, wait_s: None)
         self._wake = threading.Event()  # set when units are queued
         self._thread = threading.Thread(target=self._loop, name="farm shared pool", daemon=True)
@@ -230,7 +234,8 @@ class SharedPool:
                                         "done": j.done, "total": j.total} for j in self.jobs.values()},
                     "workers": {"busy": sum(s.future is not None for s in self.slots),
                                 "idle": sum(s.ready is None and s.future is None for s in self.slots),
-                                "starting": sum(s.ready is not None for s in self.slots)}}
+                                "starting": sum(s.ready is not None for s in self.slots)},
+                    "gang_ranks": self.gang_ranks.load()}
 
     def stop(self, why: str = "the farm service stopped") -> dict[str, int]:
         """Stop every worker; queued and running units end as failed (retryable), each reported once."""
@@ -249,7 +254,7 @@ class SharedPool:
                                                      f"the job again", retryable=True))
                     counts["running"] += 1
                     slot.future = slot.unit = None
-            actors = [s.actor for s in self.slots]
+            actors = [s.actor for s in self.slots] + self.gang_ranks.close()
             self.slots.clear()
         self._thread.join(timeout=10)
         self.cluster.stop(actors)
@@ -418,6 +423,9 @@ class SharedPool:
                 waiting = [s.ready for s in self.slots if s.ready is not None] + \
                           [s.future for s in self.slots if s.future is not None]
                 idle = any(s.free for s in self.slots)
+            unused = self.gang_ranks.sweep()
+            if unused:
+                self.cluster.stop(unused)
             if waiting:  # a worker that waits for work looks again soon: a new job's units go out at once
                 ready = self.cluster.wait(waiting, IDLE_POLL_S if idle else POLL_S)
             else:

@@ -51,9 +51,10 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def replicas(out: Path, world_size: int) -> str:
-    """One data-parallel model saved once per rank (identical programs); returns the {rank} pattern."""
-    torch.manual_seed(0)
+def replicas(out: Path, world_size: int, seed: int = 0) -> str:
+    """One data-parallel model (its weights drawn with `seed`) saved once per rank (identical
+    programs); returns the {rank} pattern."""
+    torch.manual_seed(seed)
     ep = torch.export.export(Replica(), (torch.randn(4, 16),), dynamic_shapes={"x": {0: Dim("batch", min=2, max=64)}})
     torch.export.save(ep, out / "dp_rank0.pt2")
     for r in range(1, world_size):

@@ -230,3 +230,35 @@ def test_a_gang_holding_cpus_shrinks_the_pool_as_units_end_and_it_grows_back_aft
         time.sleep(0.01)
     assert len(_workers(pool)) == 2  # the gang is done: the pool takes its CPU back
     pool.stop()
+
+
+class _Rank:
+    def __init__(self, n: int):
+        self._actor_id, self.rests = n, 0
+        self.rest = self  # the actor's method: `rest.remote()`
+
+    def remote(self) -> None:
+        self.rests += 1
+
+
+def test_warm_gang_ranks_serve_only_their_shape_are_renewed_between_gangs_and_leave_when_idle():
+    cluster = FakeCluster(runs=lambda u, n: "hang")
+    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=0.3))
+    warm = pool.gang_ranks
+    reader, waiter, failed = _Rank(1), _Rank(2), _Rank(3)
+    for actor, shape in ((reader, ("node-a", "cpu", True)), (waiter, ("node-a", "cpu", False)),
+                         (failed, ("node-a", "cpu", True))):
+        warm.lend(actor, shape)
+    assert warm.back([reader, waiter], kept=True) == []  # their gang returned
+    assert warm.back([failed], kept=False) == [failed]  # its gang failed: stopped, never kept
+    assert (reader.rests, waiter.rests) == (1, 1)  # a fresh sandbox child before any other gang
+    assert warm.take(("node-b", "cpu", True)) is None and warm.take(("node-a", "cuda", True)) is None
+    assert warm.take(("node-a", "cpu", False)) is waiter  # a waiting rank (niced for life) waits again
+    warm.lend(waiter, ("node-a", "cpu", False))
+    assert pool.load()["gang_ranks"] == {"idle": 1, "running": 1, "started": 0, "reused": 1}
+    deadline = time.monotonic() + 10
+    while reader not in cluster.stopped and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert reader in cluster.stopped and waiter not in cluster.stopped  # idle past idle_s; lent ones stay
+    assert warm.take(("node-a", "cpu", True)) is None
+    pool.stop()

@@ -82,7 +82,7 @@ class FakeCluster:
         return self.node_offers or [self.offers]
 
     def stop(self, actors):
-        self.stopped = [a["id"] for a in actors]
+        self.stopped = [a["id"] if isinstance(a, dict) else a for a in actors]  # a gang's warm rank: itself
 
     def rest(self, actor):
         self.rested.append(actor["id"])

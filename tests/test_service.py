@@ -18,6 +18,7 @@ from scheduler.ray_service import SERVICE, ServiceError, call, find_service, sta
 from scheduler.service_config import ServiceConfig
 from scheduler.spec import SpecError
 from storage.results import read_results
+from tests.gang_models import replicas
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +91,30 @@ def test_two_jobs_with_one_key_in_flight_compile_it_once(service, ray_cluster, z
     rows = read_results(a.store, a.job_id) + read_results(b.store, b.job_id)
     assert sorted(r["status"] for r in rows) == ["compiled", "hit"], [(r["status"], r["error"]) for r in rows]
     assert rows[0]["key"] == rows[1]["key"]
+
+
+def test_a_later_gang_of_the_same_shape_runs_on_the_warm_ranks_of_an_earlier_one(service, ray_cluster, tmp_path):
+    def gang_job(seed: int) -> dict:
+        out = tmp_path / f"dp{seed}"
+        out.mkdir()
+        pattern = replicas(out, 2, seed=seed)  # other weights, another key: each job compiles
+        job = {"name": f"dp{seed}", "gangs": [{"name": "dp", "ranks": pattern, "world_size": 2}], "targets": [CHEAP]}
+        handle = client.submit(job, address=ray_cluster.address, wait=False)
+        assert _wait(handle)["state"] == "done"
+        rows = read_results(handle.store, handle.job_id)
+        assert sorted(r["status"] for r in rows) == ["compiled", "hit"], [(r["status"], r["error"]) for r in rows]
+        return {r["graph"]: r["worker"] for r in rows}
+
+    def gang_ranks() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("farm-service/gang-rank/")}
+
+    first = gang_job(1)
+    warm = gang_ranks()
+    assert len(warm) == 2, warm  # the gang's two ranks outlived it, named for the dashboard
+    second = gang_job(2)
+    assert second == first  # the same rank processes, rank for rank
+    assert gang_ranks() == warm and call(find_service(), "load")["gang_ranks"]["reused"] >= 2
 
 
 def test_a_killed_scheduler_resumes_its_jobs_and_compiles_nothing_twice(service, ray_cluster, zoo_dir):

@@ -346,6 +346,11 @@ class Sandbox:
         if self._proc is not None and self._started_for is not None:
             self.retire(*self._started_for)
 
+    def stop_child(self) -> None:
+        """Stop the child, starting none: the next call starts a fresh one."""
+        self.niceness = 0
+        self._kill()
+
     def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
         """Replace the child with a fresh one (started now, warm by the next call)."""
         self._kill()
