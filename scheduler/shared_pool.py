@@ -22,7 +22,8 @@ BURST_RETRY_S (its class then waits as it would without).
 
 A gang needs whole placement groups: `hold(cpus)` lowers the pool's size while it places and
 runs, so workers over it stop as soon as their unit ends (an idle one at once) and Ray can
-reserve the gang's bundles; other jobs keep the workers that are left. A gang's ranks stay warm
+reserve the gang's bundles; other jobs keep the workers that are left, and those that left start
+again once the gang is done (warm for the next job, then idle as any). A gang's ranks stay warm
 after it (`gang_ranks`, scheduler/gang_warm.py) for later gangs of the same shape, holding no CPU
 of Ray's while idle, and leave after `idle_s` as workers do.
 The cluster's calls go through `scheduler.pool.Cluster` (Ray's: scheduler/ray_pool.py).
@@ -103,6 +104,7 @@ class SharedPool:
         self.queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._placements: dict[str, tuple[Placement, str, UnitLimits]] = {}
         self._held = 0  # CPUs lent to gangs
+        self._lent: list[str] = []  # classes of workers that left for a gang: started again, warm, after it
         self._offered: dict[str, float] = cluster.offered()
         self._failed_starts: collections.Counter[str] = collections.Counter()
         self._next_index = 0
@@ -285,9 +287,15 @@ class SharedPool:
         self.cluster.kill(slot.actor)
         self._start(slot, resource or slot.resource)
 
-    def _retire(self, slot: _Slot) -> None:
+    def _retire(self, slot: _Slot, for_gang: bool = False) -> None:
         self.slots.remove(slot)
         self.cluster.stop([slot.actor])
+        if for_gang:
+            self._lent.append(slot.resource)
+
+    def _owed(self) -> str | None:
+        """The class of a worker that left for a gang, once the pool has room for it again."""
+        return self._lent.pop(0) if self._lent else None
 
     def _wanting(self, resource: str) -> set[str]:
         return {p.job for p in self.queues.get(resource, ())}
@@ -338,7 +346,7 @@ class SharedPool:
             staying.append(slot)
         for slot in sorted(staying, key=lambda s: s.future is not None)[: max(0, len(staying) - capacity)]:
             if slot.future is None:  # idle ones leave first, at once; busy ones when their unit ends
-                self._retire(slot)
+                self._retire(slot, for_gang=True)
             else:
                 slot.leaving = True
         for slot in [s for s in workers if s.free]:
@@ -355,7 +363,7 @@ class SharedPool:
                 continue
             self._dispatch(slot, p, now)
         while len([s for s in self.slots if not s.leaving and not s.burst]) < capacity and \
-                (resource := self._starved()) is not None:
+                (resource := self._starved() or self._owed()) is not None:
             slot = _Slot(resource, self._next_index)
             self._next_index += 1
             self._start(slot, resource)
@@ -491,7 +499,7 @@ class SharedPool:
             self._unit_ended(p)
             self._report(p, result)
             if slot.leaving and slot in self.slots:
-                self._retire(slot)
+                self._retire(slot, for_gang=True)
 
     def _unit_ended(self, p: _Pending) -> None:
         job = self.jobs.get(p.job)

@@ -232,6 +232,23 @@ def test_a_gang_holding_cpus_shrinks_the_pool_as_units_end_and_it_grows_back_aft
     pool.stop()
 
 
+
+def test_workers_that_left_for_a_gang_start_again_after_it_with_nothing_queued():
+    cluster = FakeCluster()
+    pool = SharedPool(cluster, "mem://", ServiceConfig())
+    box: dict = {}
+    _run_job(pool, "j", "batch", [_unit(f"g{i}") for i in range(4)], box).join(timeout=10)
+    assert len(box["j"]) == 4 and len(_workers(pool)) == 2  # a result per unit, on two workers
+    deadline = time.monotonic() + 10
+    with pool.hold(2):
+        while _workers(pool) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _workers(pool)  # idle: they left at once, for the gang's bundles
+    while len([s for s in _workers(pool) if s.free]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len([s for s in _workers(pool) if s.free]) == 2  # back, warm, for the next job
+    pool.stop()
+
 class _Rank:
     def __init__(self, n: int):
         self._actor_id, self.rests = n, 0
