@@ -11,6 +11,8 @@ The rules, and their tests without a cluster (tests/test_pool.py):
 - a worker whose class covers another's (an avx2 worker builds x86-64 code: `Placement.covers`)
   takes that class's units when its own queue is empty, and such classes get workers of the
   covering class, so a job's mix of ISAs shares its workers instead of idling one per class;
+- a worker takes from its own class and those it covers the one with the fewest units running
+  (a cold node's compile headers, one per ISA, are then built side by side, not in turn);
 - a class's units go out largest program first (a rough proxy for the longest compile), so
   what is left at the end are small units that fill the gaps instead of one long one;
 - every unit is reported exactly once.
@@ -64,6 +66,7 @@ class _Slot:
     retries: int = 0
     future: object = None
     started: float = 0.0
+    taken_from: str | None = None  # the class whose queue its unit came from (its own, or one it covers)
 
     @property
     def name(self) -> str:
@@ -189,11 +192,18 @@ class WorkerPool:
         return min(wanting, key=lambda r: (serving[r] / demand[r], -demand[r], r), default=None)
 
     def _next(self, slot: _Slot, queues) -> _Pending | None:
-        """The slot's next unit: its own class's first, else that of a class it covers with the most queued."""
-        own = queues.get(slot.resource)
-        covered = max((queues[c] for c in self._covers.get(slot.resource, ()) if queues.get(c)), key=len, default=None)
-        chosen = own or covered
-        return chosen.popleft() if chosen else None
+        """The slot's next unit, of the class with the fewest units running now among its own and
+        those it covers (on a tie its own, then the covered one with the most queued). A cold
+        node builds Inductor's precompiled header once per ISA, under a lock (its cache is the
+        node's): two workers that start on one ISA take turns at that build, one of them idle,
+        while two on different ISAs build both at once."""
+        running = collections.Counter(s.taken_from for s in self.slots if s.future is not None)
+        classes = [slot.resource] + sorted(self._covers.get(slot.resource, ()), key=lambda c: -len(queues.get(c, ())))
+        chosen = min((c for c in classes if queues.get(c)), key=lambda c: running[c], default=None)
+        if chosen is None:
+            return None
+        slot.taken_from = chosen
+        return queues[chosen].popleft()
 
     def _report_load(self, queues, events) -> None:
         """Queue depth and busy and idle workers per device class, for metrics and `farm status`."""
@@ -264,7 +274,7 @@ class WorkerPool:
                     except DIED as e:
                         self._restart(slot)
                         if retries < self.config.retries:
-                            queues[slot.resource].appendleft(_Pending(unit, retries + 1))
+                            queues[slot.taken_from or slot.resource].appendleft(_Pending(unit, retries + 1))
                             events.retried(unit)
                             continue
                         result = _failed(unit, f"its worker died {retries + 1} times (last: {type(e).__name__}); "
