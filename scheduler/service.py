@@ -220,8 +220,7 @@ class FarmScheduler:
             doc = {**empty_status(entry.job_id, "rejected"), "updated_at": now(),
                    "error": f"the farm service refused the job: {said['error']}"}
             # never over another job's status (an entry can name any id)
-            self.store.backend.write(f"jobs/{entry.job_id}/{STATUS_FILE}", json.dumps(doc, indent=1).encode(),
-                                     if_absent=True)
+            self.store.put_job_file(entry.job_id, STATUS_FILE, json.dumps(doc, indent=1).encode(), if_absent=True)
         if "error" in said:
             log.warning("farm service: inbox entry %s refused: %s", entry.path, said["error"])
         self.inbox.done(entry)

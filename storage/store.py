@@ -337,10 +337,11 @@ class Store:
         return found[0][len("units/") : -len(".json")]
 
     # jobs --------------------------------------------------------------------------
-    def put_job_file(self, job_id: str, name: str, data: bytes) -> str:
+    def put_job_file(self, job_id: str, name: str, data: bytes, if_absent: bool = False) -> str | None:
+        """Write a job's file; with if_absent, only where there is none (None if there was)."""
         path = f"jobs/{job_id}/{name}"
-        self.backend.write(path, data)
-        return path
+        written = self.backend.write(path, data, if_absent=if_absent)
+        return path if written or not if_absent else None
 
     def get_job_file(self, job_id: str, name: str) -> bytes | None:
         return self.backend.read(f"jobs/{job_id}/{name}")
