@@ -14,6 +14,7 @@ from farm import client
 from farm.cli_common import DEFAULT_STORE, StoreOpt
 from farm.cli_common import fail as _fail
 from farm.cli_common import open_store as _open_store
+from farm.cache_cli import register as register_cache_commands
 from farm.service_cli import register as register_service_commands
 from farm.store_cli import register as register_store_commands
 from farm.zoo_cli import zoo_app
@@ -23,6 +24,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile fa
 app.add_typer(zoo_app, name="zoo")
 register_store_commands(app)
 register_service_commands(app)
+register_cache_commands(app)
 
 
 def _json(obj) -> None:

@@ -2,9 +2,11 @@
 
 Mark: what is kept refers to what it needs. Pins keep their units (and their jobs' records);
 units used within `unused_days` are kept (last use is a manifest's mtime: storage/store.py);
-job records as young, or named by the nightly history, are kept; every blob a kept manifest,
-job record, tuning record or pin refers to is kept. Sweep, in this order: unit manifests, job
-records, then blobs nothing refers to that are older than the grace period, then expired leases.
+job records as young, or named by the nightly history, are kept; torch's remote-cache entries
+(storage/remote_cache.py) used within `unused_days` are kept; every blob a kept manifest, job
+record, cache entry, tuning record or pin refers to is kept. Sweep, in this order: unit
+manifests, job records, cache entries, then blobs nothing refers to that are older than the
+grace period, then expired leases.
 
 Races, and how each is closed:
 - A publish in flight has its blobs up and its manifest not yet written: nothing refers to them,
@@ -42,7 +44,7 @@ DAY_S = 86400.0
 READERS = 32  # documents read at once (a listing of 100,000 objects holds thousands)
 DELETERS = 8  # shards re-read and deleted at once
 STAT_AT_MOST = 8  # a shard with more objects to delete is listed again instead of stat'ed object by object
-KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "gc", "other")
+KINDS = ("units", "blobs", "jobs", "leases", "pins", "tuning", "history", "programs", "gc", "remote-cache", "other")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,9 @@ class _Listing:
         self.leases: dict[str, list[ObjectInfo]] = defaultdict(list)
         for info in self.by_kind["leases"]:
             self.leases[info.path.split("/")[1]].append(info)
+        # torch's remote-cache entries (storage/remote_cache.py), by their index document's name
+        self.cache = {blob_digest(i.path).removesuffix(".json"): i for i in self.by_kind["remote-cache"]
+                      if i.path.endswith(".json")}
 
 
 def _read_all(store: Store, paths: list[str]) -> dict[str, dict[str, Any] | None]:
@@ -216,6 +221,9 @@ class Snapshot:
         docs = _read_all(store, [i.path for k in ("tuning", "pins") for i in self.listing.by_kind.get(k, [])
                                  if i.path.endswith(".json")])
         self.fixed_refs = {d for doc in docs.values() for d in digests_in(doc or {})}  # tuning records, pins
+        cache_docs = _read_all(store, [i.path for i in self.listing.cache.values()])
+        self.cache_refs = {blob_digest(path).removesuffix(".json"): set(digests_in(doc or {}))
+                           for path, doc in cache_docs.items()}
         self._job_refs: dict[str, set[str]] = {}
 
     def save_index(self, gone: frozenset[str] | set[str] = frozenset(), fold_journal: bool = False) -> None:
@@ -245,6 +253,7 @@ class Plan:
     jobs: set[str]  # job ids whose records go
     blobs: set[str]  # digests that go
     leases: set[str]  # keys whose expired leases go
+    cache: set[str] = field(default_factory=set)  # remote-cache entries (index names) unused too long
 
 
 def _older(now: float, mtime: float, limit_s: float) -> bool:
@@ -264,7 +273,8 @@ def plan(snap: Snapshot, policy: Policy) -> Plan:
         keep_jobs = snap.history_jobs | {p.job for p in snap.pins if p.job}
         jobs = {j for j, files in listing.jobs.items()
                 if j not in keep_jobs and _older(now, max(i.mtime for i in files), limit)}
-    others = set(snap.fixed_refs)
+    cache = {n for n, info in listing.cache.items() if _older(now, info.mtime, limit)}
+    others = set(snap.fixed_refs).union(*(refs for n, refs in snap.cache_refs.items() if n not in cache))
     for job in listing.jobs:
         if job not in jobs:
             others |= snap.job_refs(job)
@@ -274,7 +284,7 @@ def plan(snap: Snapshot, policy: Policy) -> Plan:
     marked = others.union(*(snap.refs[k] for k in listing.units if k not in units))
     blobs = {d for d, i in blob_infos.items() if d not in marked and _older(now, i.mtime, policy.grace_s)}
     leases = {k for k, files in listing.leases.items() if _older(now, max(i.mtime for i in files), policy.lease_expiry_s)}
-    return Plan(units, jobs, blobs, leases)
+    return Plan(units, jobs, blobs, leases, cache)
 
 
 def _to_fit(snap: Snapshot, policy: Policy, doomed: set[str], doomed_jobs: set[str], others: set[str],
@@ -316,14 +326,16 @@ class Collector:
         gone_units = self._delete(listing.units, chosen.units, "units")
         snap.save_index(set() if self.policy.dry_run else gone_units, fold_journal=not self.policy.dry_run)
         self._delete_groups(listing.jobs, chosen.jobs, "jobs")
-        # a manifest spared at the last moment keeps its blobs
+        spared_cache = chosen.cache - self._delete(listing.cache, chosen.cache, "remote-cache")
+        # a manifest (or cache entry) spared at the last moment keeps its blobs
         spared = chosen.units - gone_units
         blob_infos = {blob_digest(i.path): i for i in listing.by_kind["blobs"]}
-        sweep = {d for d in chosen.blobs if not any(d in snap.refs[k] for k in spared)}
+        sweep = {d for d in chosen.blobs if not any(d in snap.refs[k] for k in spared)
+                 and not any(d in snap.cache_refs.get(n, ()) for n in spared_cache)}
         self._delete(blob_infos, sweep, "blobs")
         self._delete_groups(listing.leases, chosen.leases, "leases")
         for kind in KINDS:
-            if kind not in ("units", "blobs", "jobs", "leases"):
+            if kind not in ("units", "blobs", "jobs", "leases", "remote-cache"):
                 for info in listing.by_kind.get(kind, []):
                     self.report.kept[kind].add(info.size)
         return self.report

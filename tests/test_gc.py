@@ -210,3 +210,21 @@ def test_on_s3_publishers_journal_spares_the_first_pass_its_reads_and_a_real_pas
     snap = Snapshot(s3, time.time())
     assert snap.journals == [] and snap.manifests_read == 0 and set(keys) <= set(snap.facts)
     assert s3.complete_manifest(keys[1])[0] is not None and s3.has_blob(prog)
+
+
+def test_remote_cache_entries_unused_too_long_go_with_their_values_and_used_ones_keep_theirs(store):
+    from storage.remote_cache import CacheEntries, index_path
+
+    entries = CacheEntries(store, refresh_age_s=0)
+    old, used = b"pt2:fx-graph-v1::old:c1", b"pt2:autograd-shared-v1::used:c1"
+    entries.put(old, b"old value", "ci")
+    entries.put(used, b"used value", "ci")
+    for key in (old, used):
+        _age(store, index_path(key), 40)
+    for value in (b"old value", b"used value"):
+        _age(store, blob_path(_blob(store, value).digest), 40)
+    assert entries.get(used) == b"used value"  # a use renews its last-use mark
+    report = collect(store, Policy(unused_days=30, grace_s=0))
+    assert report.deleted["remote-cache"].count == 1 and report.kept["remote-cache"].count == 1
+    assert entries.get(old) is None and entries.get(used) == b"used value"
+    assert store.backend.stat(index_path(old)) is None and report.deleted["blobs"].count == 1

@@ -1,0 +1,92 @@
+"""`farm cache-serve`: the farm's store as PyTorch's own remote caches, for training scripts that
+call `torch.compile` and never export (storage/cache_server.py; README, "PyTorch's own remote
+caches")."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import signal
+import socket
+from typing import Optional
+
+import typer
+
+from farm.cli_common import StoreOpt, fail, open_store
+
+
+def cache_serve(
+    store: str = StoreOpt,
+    tokens: str = typer.Option(..., "--tokens", help="a file of 'NAME ROLE TOKEN' lines, ROLE read or write (chmod 600)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="the address to listen on (loopback unless --tls-cert)"),
+    port: int = typer.Option(6380, "--port", help="the port to listen on"),
+    max_value_mb: float = typer.Option(64.0, "--max-value-mb", help="a larger SET is refused"),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="serve TLS (clients use rediss://) with this "
+                                                                    "certificate chain (PEM)"),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="the certificate's private key (PEM)"),
+) -> None:
+    """Serve the store to stock torch's remote caches until Ctrl-C: set
+    TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=1, TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE=1 and
+    TORCHINDUCTOR_REDIS_URL=redis://NAME:TOKEN@HOST:PORT in the training job."""
+    import asyncio
+
+    from farm.console import console
+    from storage.cache_server import CacheServer
+    from storage.cache_tokens import TokensError, read_tokens
+    from storage.remote_cache import CacheEntries
+
+    try:
+        users = read_tokens(tokens)
+    except TokensError as e:
+        raise fail(str(e)) from e
+    if max_value_mb <= 0:
+        raise fail(f"--max-value-mb {max_value_mb:g}: give a size in MiB above 0")
+    tls = _tls(tls_cert, tls_key)
+    if tls is None and not _loopback(host):
+        raise fail(f"--host {host} is not a loopback address, and without TLS every token and entry would cross the "
+                   f"network in the clear; give --tls-cert and --tls-key (clients then use rediss://), or serve on "
+                   f"127.0.0.1 behind a TLS proxy")
+    server = CacheServer(CacheEntries(open_store(store)), users, host=host, port=port,
+                         max_value_bytes=int(max_value_mb * (1 << 20)), tls=tls)
+    scheme = "rediss" if tls else "redis"
+    console.print(f"farm cache-serve: {store} on {scheme}://NAME:TOKEN@{host}:{port} for {len(users)} users "
+                  f"(tokens: {tokens}); Ctrl-C stops")
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does
+    try:
+        asyncio.run(server.serve_forever())
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port") from e
+    except KeyboardInterrupt:
+        pass
+    finally:
+        console.print("farm cache-serve stopped; served " + json.dumps(server.entries.stats()))
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        return False
+
+
+def _tls(cert: str | None, key: str | None):
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise fail("--tls-cert and --tls-key go together: give both, or neither for loopback only")
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise fail(f"--tls-cert {cert} / --tls-key {key}: cannot be used ({e})") from e
+    return context
+
+
+def register(app: typer.Typer) -> None:
+    app.command("cache-serve")(cache_serve)

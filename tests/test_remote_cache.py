@@ -1,0 +1,248 @@
+"""`farm cache-serve`: stock torch, with the environment variables alone, fills the farm's store
+through it and a second fresh process hits every graph (on a local store and on SeaweedFS, and
+side by side with a real redis-server); hostile clients get an error or are closed while the
+server goes on serving; tokens files are checked."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage import store_from_uri
+from storage.cache_server import CacheServer
+from storage.cache_tokens import TokensError, read_tokens
+from storage.remote_cache import CacheEntries, index_path
+from storage.resp import Limits, ProtocolError, read_request
+from tests.cli import farm
+
+ROOT = Path(__file__).resolve().parents[1]
+WRITER, READER = "w" * 24, "r" * 24
+
+
+@pytest.fixture
+def tokens(tmp_path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text(f"# who may use the cache\nci write {WRITER}\nalice read {READER}  # a training job\n")
+    path.chmod(0o600)
+    return path
+
+
+def _serve(store_uri: str, tokens: Path, **kw) -> CacheServer:
+    server = CacheServer(CacheEntries(store_from_uri(store_uri)), read_tokens(tokens), **kw)
+    server.start_in_thread()
+    return server
+
+
+def _jit_step(url: str, tmp: Path) -> dict:
+    """tests/jit_step.py in a fresh process with an empty local Inductor cache, its remote caches
+    set by the environment alone."""
+    cache = Path(os.environ.get("TMPDIR", "/tmp")) / f"jit-cache-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
+           "TORCHINDUCTOR_REDIS_URL": url, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    try:
+        out = subprocess.run([sys.executable, str(ROOT / "tests" / "jit_step.py")], env=env, capture_output=True,
+                             text=True, timeout=300, stdin=subprocess.DEVNULL)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _fill_then_hit(url_writer: str, url_reader: str, tmp: Path) -> tuple[dict, dict]:
+    cold = _jit_step(url_writer, tmp)
+    warm = _jit_step(url_reader, tmp)
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and cold["aot_autograd"].get("autograd_cache_saved") == 1
+    # every graph (forward and backward) from the remote cache, none compiled; the same gradients
+    assert warm["inductor"].get("fxgraph_cache_hit") == cold["inductor"]["fxgraph_cache_miss"], warm
+    assert "fxgraph_cache_miss" not in warm["inductor"] and warm["aot_autograd"].get("autograd_cache_hit") == 1, warm
+    assert warm["grads"] == cold["grads"]
+    return cold, warm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_stock_torch_fills_the_farm_cache_and_a_fresh_process_hits_every_graph(backend, tokens, tmp_path, request):
+    uri = str(tmp_path / "store") if backend == "local" else request.getfixturevalue("s3_uri")
+    server = _serve(uri, tokens)
+    try:
+        _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}", f"redis://alice:{READER}@127.0.0.1:{server.port}",
+                       tmp_path)
+        stats = server.entries.stats()
+    finally:
+        server.stop()
+    assert stats["fx-graph-v1"]["writes"] >= 2 and stats["fx-graph-v1"]["hits"] >= 2
+    store = store_from_uri(uri)
+    assert any(p.startswith("remote-cache/fx-graph-v1/") for p in store.backend.list("remote-cache/"))
+
+
+@pytest.mark.slow
+def test_torch_sees_the_same_hits_from_the_farm_cache_as_from_a_real_redis_server(tokens, tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("Debian's redis-server is not installed (./dev installs it where it runs as root)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = _serve(str(tmp_path / "store"), tokens)
+    try:
+        deadline = time.monotonic() + 30
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.1)
+        real = _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}", tmp_path)
+        ours = _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}",
+                              f"redis://alice:{READER}@127.0.0.1:{server.port}", tmp_path)
+    finally:
+        redis.kill()
+        server.stop()
+    cache_counters = lambda run: {k: v for part in ("inductor", "aot_autograd") for k, v in run[part].items()
+                                  if "cache" in k}
+    assert [cache_counters(r) for r in ours] == [cache_counters(r) for r in real]
+
+
+# hostile clients ---------------------------------------------------------------------
+class _Client:
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def send(self, *args: bytes) -> None:
+        self.sock.sendall(b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args))
+
+    def reply(self) -> bytes:
+        data = b""
+        while not data.endswith(b"\r\n"):
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def test_hostile_clients_get_an_error_or_are_closed_and_the_server_serves_on(tokens, tmp_path):
+    server = _serve(str(tmp_path / "store"), tokens, max_value_bytes=1 << 20)
+    key = b"pt2:fx-graph-v1::k:c1"
+    try:
+        c = _Client(server.port)  # no AUTH: nothing but AUTH and HELLO
+        c.send(b"GET", key)
+        assert c.reply().startswith(b"-NOAUTH")
+        c.send(b"SET", key, b"v")
+        assert c.reply().startswith(b"-NOAUTH")
+        c.send(b"AUTH", b"alice", b"x" * 24)
+        assert c.reply().startswith(b"-WRONGPASS")
+        c.sock.sendall(b"*2\r\n$3\r\nGET\r\n$100000\r\n")  # a bulk string over the unauthenticated limit
+        assert c.reply().startswith(b"-ERR Protocol error") and c.closed()
+
+        c = _Client(server.port)
+        c.sock.sendall(b"GET k\r\n")  # inline commands are not served
+        assert b"inline" in c.reply() and c.closed()
+        c = _Client(server.port)
+        c.sock.sendall(b"*1\r\n$x\r\n")  # malformed
+        assert c.reply().startswith(b"-ERR Protocol error") and c.closed()
+
+        r = _Client(server.port)
+        r.send(b"AUTH", b"alice", READER.encode())
+        assert r.reply() == b"+OK\r\n"
+        r.send(b"SET", key, b"v")  # a reader may not write
+        assert r.reply().startswith(b"-NOPERM")
+        r.send(b"FLUSHALL")
+        assert r.reply().startswith(b"-ERR unknown command 'FLUSHALL'")
+
+        w = _Client(server.port)
+        w.send(b"AUTH", b"ci", WRITER.encode())
+        assert w.reply() == b"+OK\r\n"
+        w.sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$2000000\r\n" % (len(key), key))  # over --max-value-mb
+        assert w.reply().startswith(b"-ERR Protocol error") and w.closed()
+        w = _Client(server.port)
+        w.send(b"AUTH", b"ci", WRITER.encode())
+        assert w.reply() == b"+OK\r\n"
+        w.sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1000\r\n%s" % (len(key), key, b"x" * 10))
+        w.sock.close()  # gone mid-value: nothing of it is kept
+
+        good = _Client(server.port)  # the server went on
+        good.send(b"AUTH", b"ci", WRITER.encode())
+        assert good.reply() == b"+OK\r\n"
+        good.send(b"GET", key)
+        assert good.reply() == b"$-1\r\n"
+        good.send(b"SET", key, b"value")
+        assert good.reply() == b"+OK\r\n"
+        r.send(b"GET", key)
+        assert r.reply() == b"$5\r\nvalue\r\n"
+    finally:
+        server.stop()
+    assert server.entries.stats()["fx-graph-v1"]["refused"] == 1  # the reader's SET
+
+
+def test_the_request_parser_bounds_what_it_reads_and_raises_only_protocol_errors():
+    rng = random.Random(0)
+    good = b"*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$5\r\nvalue\r\n"
+    limits = Limits(line_bytes=64, args=4, arg_bytes=16)
+
+    async def parse(data: bytes):
+        reader = asyncio.StreamReader(limit=1 << 16)
+        reader.feed_data(data)
+        reader.feed_eof()
+        out = []
+        while True:
+            request = await read_request(reader, limits)
+            if request is None:
+                return out
+            out.append(request)
+
+    assert asyncio.run(parse(good + good)) == [[b"SET", b"key", b"value"]] * 2
+    for data in (b"*5\r\n", b"*1\r\n$17\r\n", b"*1\r\n$-1\r\n", b"*" + b"9" * 80 + b"\r\n", b"*1\r\n$3\r\nGETxx"):
+        with pytest.raises(ProtocolError):
+            asyncio.run(parse(data))
+    for _ in range(2000):  # mutated requests: parsed, or a ProtocolError; never anything else
+        data = bytearray(good * 2)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            asyncio.run(parse(bytes(data[:rng.randint(0, len(data))])))
+        except ProtocolError:
+            pass
+
+
+def test_a_tokens_file_that_cannot_be_used_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "tokens"
+    for text, said in ((f"ci admin {WRITER}\n", "line 1: the role 'admin'"), ("\nci write short\n", "line 2: ci's token is shorter"),
+                       (f"ci write {WRITER}\nci read {READER}\n", "line 2: ci is named twice"),
+                       ("ci write\n", "expected 'NAME ROLE TOKEN'"), ("# nobody\n", "no users")):
+        path.write_text(text)
+        path.chmod(0o600)
+        with pytest.raises(TokensError, match=said):
+            read_tokens(path)
+    path.write_text(f"ci write {WRITER}\n")
+    path.chmod(0o644)
+    with pytest.raises(TokensError, match="others may read it.*chmod 600"):
+        read_tokens(path)
+    assert "chmod 600" in farm("cache-serve", "--store", str(tmp_path / "store"), "--tokens", str(path))
+    path.chmod(0o600)
+    said = farm("cache-serve", "--store", str(tmp_path / "store"), "--tokens", str(path), "--host", "0.0.0.0")
+    assert "not a loopback address" in said and "--tls-cert" in said
+
+
+def test_an_entry_whose_value_is_gone_is_a_miss_not_an_error(tmp_path):
+    store = store_from_uri(str(tmp_path / "store"))
+    entries = CacheEntries(store)
+    key = b"pt2:fx-graph-v1::k:c1"
+    entries.put(key, b"value", "ci")
+    doc = store.get_document(index_path(key))
+    store.backend.delete_many([f"blobs/sha256/{doc['blob']['digest'][:2]}/{doc['blob']['digest']}"])
+    assert entries.get(key) is None and entries.stats()["fx-graph-v1"]["refused"] == 1
