@@ -41,7 +41,7 @@ def _target(target: str, mode: str, options: dict[str, Any] | None, weights: str
 
 def warm_start(program: str | Path | ExportedProgram, store: str | Store | None = None,
                target: str = "inductor-cache", mode: str = "train", options: dict[str, Any] | None = None,
-               weights: str = "values") -> Any:
+               weights: str = "values", modules: list[str] = ()) -> Any:
     """The trainable compiled module for `program` (a .pt2 path or an ExportedProgram), from the
     artifact the farm built for it: found by the key the farm computed (the program's content,
     the target, this process's toolchain), checked against its digest and, where the store
@@ -49,7 +49,8 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
     the program's parameter names, so `load_state_dict(ckpt)` and optimizers work.
 
     `target`, `options` and `weights` are the job's (`inductor-cache:avx512`, its Inductor
-    options, `values` or `shapes`). Raises WarmStartError on a miss, or when this process would
+    options, `values` or `shapes`); `modules` are imported before the program is read (those that
+    register its output types, as the job's `modules` were). Raises WarmStartError on a miss, or when this process would
     have to compile (another toolchain, another CPU)."""
     from torch.export import ExportedProgram
 
@@ -58,7 +59,9 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
     from workers.keys import key_components, key_of
     from workers.sandbox.program import load_program, program_identity
 
-    ep = program if isinstance(program, ExportedProgram) else load_program(Path(program), str(program))
+    hint = "to modules=[...] of warm_start, or import it before calling warm_start"
+    ep = program if isinstance(program, ExportedProgram) else load_program(Path(program), str(program), list(modules),
+                                                                           modules_hint=hint)
     name = "the program" if isinstance(program, ExportedProgram) else str(program)
     t = _target(target, mode, options, weights)
     try:

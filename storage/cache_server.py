@@ -1,8 +1,10 @@
 """`farm cache-serve`: the farm's store behind enough of the Redis protocol for PyTorch's own
 remote caches (torch/_inductor/remote_cache.py's RedisRemoteCacheBackend, through redis-py):
-PING, AUTH, HELLO (protocol 2), QUIT, SELECT 0, CLIENT SETNAME/SETINFO, GET and SET. Values
-live in the store (storage/remote_cache.py); who may read or write, in a tokens file
-(storage/cache_tokens.py).
+PING, AUTH, HELLO (protocol 2, and 3 for redis-py 8), QUIT, SELECT 0, CLIENT SETNAME/SETINFO,
+GET and SET; and for `farm.client.use_farm_cache`, FARM.ENTRY key: the entry's index document
+as stored (with its signature, which that client checks), its value, and the compiled kernels it
+names. Values live in the store (storage/remote_cache.py); who may read or write, in a tokens
+file (storage/cache_tokens.py).
 
 Every client is hostile until it has authenticated: before AUTH it may send only requests of a
 few KiB, it is closed after 30 s idle or three wrong tokens, and at most `max_clients` are
@@ -167,6 +169,13 @@ class CacheServer:
             return resp.bulk(value, session.proto), False
         if command == b"SET" and len(args) >= 3:
             return await self._set(args[1:], session)
+        if command == b"FARM.ENTRY" and len(args) == 2:  # use_farm_cache: the signed index document too
+            found = await self._store(self.entries.entry, args[1])
+            if found is None:
+                return resp.bulk(None, session.proto), False
+            files = await self._store(self.entries.files, found[1])
+            named = [resp.array([resp.bulk(n.encode()), resp.bulk(d)]) for n, d in sorted(files.items())]
+            return resp.array([resp.bulk(found[0]), resp.bulk(found[2]), resp.array(named)]), False
         if command in (b"GET", b"SET"):
             return resp.error(f"ERR wrong number of arguments for '{command.decode().lower()}' command"), False
         shown = args[0][:40].decode("utf-8", "replace")

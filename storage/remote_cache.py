@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import re
 import threading
@@ -56,9 +57,16 @@ class CacheEntries:
     def get(self, key: bytes) -> bytes | None:
         """The value, or None for a miss. An entry that fails the store's signature check
         (FARM_VERIFY_KEY), or whose value is gone or corrupt, is a miss too, and counted refused."""
+        found = self.entry(key)
+        return found[2] if found is not None else None
+
+    def entry(self, key: bytes) -> tuple[bytes, dict[str, Any], bytes] | None:
+        """(the index document as stored, what it says, the value), or None for a miss (as `get`).
+        The document's bytes carry its signature, for a client to check itself (FARM.ENTRY)."""
         path, kind = index_path(key), kind_of(key)
         try:
-            doc = self.store.get_document(path)
+            raw = self.store.backend.read(path)
+            doc = self.store.trust.open(path, json.loads(raw)) if raw is not None else None
             if doc is None or doc.get("key") != key.decode("utf-8", "surrogateescape"):
                 self._count(kind, "misses")  # absent, or (never in practice) another key with its hash
                 return None
@@ -70,17 +78,33 @@ class CacheEntries:
         self._count(kind, "hits")
         self._count(kind, "bytes_read", len(value))
         self._renew(path)
-        return value
+        return raw, doc, value
 
-    def put(self, key: bytes, value: bytes, writer: str) -> None:
-        """Publish: the value first, then the index document naming it (a reader never sees an
-        index without its value)."""
+    def put(self, key: bytes, value: bytes, writer: str, files: dict[str, bytes] | None = None,
+            facts: dict[str, Any] | None = None) -> None:
+        """Publish: the value and `files` (compiled kernels, by their path under Inductor's cache
+        dir) first, then the index document naming them (a reader never sees an index without its
+        value); `facts`: what a reader checks before it uses the files (the build command)."""
         ref = self.store.put_bytes(value)
         doc: dict[str, Any] = {"key": key.decode("utf-8", "surrogateescape"), "kind": kind_of(key),
                                "blob": ref.to_dict(), "writer": writer}
+        if files:
+            doc["files"] = {name: self.store.put_bytes(data).to_dict() for name, data in sorted(files.items())}
+            doc["facts"] = facts or {}
         self.store.put_document(index_path(key), doc)
         self._count(kind_of(key), "writes")
         self._count(kind_of(key), "bytes_written", len(value))
+
+    def files(self, doc: dict[str, Any]) -> dict[str, bytes]:
+        """The files an entry names (its kernels), each checked against its digest; one that is
+        gone or corrupt is left out (its reader compiles that kernel itself)."""
+        found = {}
+        for name, ref in (doc.get("files") or {}).items():
+            try:
+                found[name] = self.store.get_bytes(BlobRef.from_dict(ref).digest)
+            except (StoreError, KeyError, TypeError, ValueError) as e:
+                log.warning("remote cache: %s's file %s left out: %s", doc.get("key"), name, e)
+        return found
 
     def count_refused(self, key: bytes) -> None:
         """A request the server refused for this key (no permission, a value over the limit)."""

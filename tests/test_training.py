@@ -211,6 +211,19 @@ def test_warm_start_reports_a_miss_and_what_to_run(trained, zoo_dir):
         warm_start(zoo_dir / "mlp.pt2", store=str(d / "store"), target="aoti-cpu")
 
 
+
+def test_warm_start_of_a_program_with_its_own_output_type_says_to_import_it_or_name_it(tmp_path):
+    exported = tmp_path / "custom.pt2"
+    subprocess.run([sys.executable, "-c", "import sys, torch; from tests.custom_output import Net; "
+                    f"torch.export.save(torch.export.export(Net(), (torch.randn(2, 4),)), {str(exported)!r})"],
+                   check=True, cwd=Path(__file__).resolve().parents[1])
+    assert "tests.custom_output" not in sys.modules  # this process never registered the output type
+    with pytest.raises(Exception, match=r"to modules=\[\.\.\.\] of warm_start, or import it") as e:
+        warm_start(exported, store=str(tmp_path / "store"))
+    assert "job" not in str(e.value)  # a warm_start caller has no job
+    with pytest.raises(WarmStartError, match="no inductor-cache\\+train artifact"):  # read: only the miss is left
+        warm_start(exported, store=str(tmp_path / "store"), modules=["tests.custom_output"])
+
 class _Dropout(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -31,8 +31,14 @@ def import_modules(modules: list[str]) -> None:
             raise ProgramError(f"cannot import module {name!r} named in the job's `modules`: {e}") from e
 
 
-def load_program(path: Path, label: str, modules: list[str] = (), limits: ArchiveLimits = ArchiveLimits()) -> ExportedProgram:
+JOB_MODULES = "to the job's `modules` list"  # where a farm job's unit names the modules to import first
+
+
+def load_program(path: Path, label: str, modules: list[str] = (), limits: ArchiveLimits = ArchiveLimits(),
+                 modules_hint: str = JOB_MODULES) -> ExportedProgram:
     """Load a torch.export.save archive, turning torch's generic errors into actionable ones.
+    `modules_hint` says where this caller names modules to import first (a farm job's `modules`;
+    a client's own argument).
 
     The archive is hostile until checked (workers/sandbox/archive.py); torch's loader then runs with
     every `torch.load` forced to `weights_only=True`, so even a member the check missed cannot
@@ -57,7 +63,7 @@ def load_program(path: Path, label: str, modules: list[str] = (), limits: Archiv
         if "pytree is not registered" in str(e):
             raise ProgramError(
                 f"{label}: {e} Add the module that registers this output type (for Hugging Face outputs, "
-                f"e.g. 'transformers.modeling_outputs') to the job's `modules` list."
+                f"e.g. 'transformers.modeling_outputs') {modules_hint}."
             ) from e
         raise ProgramError(f"{label}: its program (member 'models/model.json') could not be deserialized: "
                            f"{summary(e)}; export and save it again") from e
