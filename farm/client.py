@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from farm.jit_cache import FarmCache, use_farm_cache
 from farm.service_client import job_spec
 from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
@@ -32,8 +33,8 @@ from storage.results import read_results_table
 from storage.service_jobs import ServiceInbox, ServiceJobs
 from storage.stats import STATS_FILE
 
-__all__ = ["JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned", "resolve_job", "run",
-           "submit", "warm_start"]
+__all__ = ["FarmCache", "JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned",
+           "resolve_job", "run", "submit", "use_farm_cache", "warm_start"]
 
 
 def __getattr__(name: str):

@@ -2,10 +2,13 @@
 training script that never exports does. Prints the Inductor and AOTAutograd cache counters as
 JSON on its last line. Its remote caches come from the environment alone
 (TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE, TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE, TORCHINDUCTOR_REDIS_URL):
-tests/test_remote_cache.py."""
+tests/test_remote_cache.py. With FARM_CACHE_STORE or FARM_CACHE_URL set, they are the farm's, through
+`use_farm_cache` (FARM_CACHE_WRITE=0: it only reads), and its counts are printed too; kernel
+builds are counted either way (workers/backends/kernels.py, counting_builds)."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 from torch._dynamo.utils import counters
@@ -21,13 +24,22 @@ class Net(torch.nn.Module):
 
 
 def main() -> None:
+    from workers.backends.kernels import counting_builds
+
+    farm = None
+    if os.environ.get("FARM_CACHE_STORE") or os.environ.get("FARM_CACHE_URL"):
+        from farm.client import use_farm_cache
+
+        farm = use_farm_cache(store=os.environ.get("FARM_CACHE_STORE"), url=os.environ.get("FARM_CACHE_URL"),
+                              write=os.environ.get("FARM_CACHE_WRITE", "1") == "1")
     torch.manual_seed(0)
     net = Net()
     step = torch.compile(lambda x: net(x).square().mean())
-    step(torch.randn(8, 16)).backward()
+    with counting_builds() as built:
+        step(torch.randn(8, 16)).backward()
     grads = sum(p.grad.abs().sum().item() for p in net.parameters())
     print(json.dumps({"inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"]),
-                      "grads": grads}))
+                      "grads": grads, "kernels_built": len(built), "farm": farm.stats() if farm else None}))
 
 
 if __name__ == "__main__":

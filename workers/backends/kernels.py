@@ -60,8 +60,14 @@ def capturing() -> Iterator[list[str]]:
 
 def isa_probe(vec_isa: str) -> list[str]:
     """The binary Inductor built to check that this host runs `vec_isa` (with it in place, a
-    fresh machine's check only loads it, instead of running g++ for 1.3 s first). Its path comes
-    from Inductor's private naming, so on a torch that names it otherwise nothing is shipped and
+    fresh machine's check only loads it, instead of running g++ for 1.3 s first), if built."""
+    path = isa_probe_path(vec_isa)
+    return [path] if path is not None and os.path.isfile(path) else []
+
+
+def isa_probe_path(vec_isa: str) -> str | None:
+    """Where Inductor puts its probe for `vec_isa`, built or not (naming it builds nothing). The
+    path comes from Inductor's private naming: on a torch that names it otherwise, None, and
     the consumer builds the probe itself."""
     from torch._inductor import cpu_vec_isa
     from torch._inductor.codecache import write
@@ -71,11 +77,10 @@ def isa_probe(vec_isa: str) -> list[str]:
         (isa,) = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == vec_isa]
         key, source = write(cpu_vec_isa.VecISA._avx_code, "cpp",
                             extra=cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags()))
-        path = CppBuilder(key, [source], CppTorchOptions(vec_isa=isa, warning_all=False),
+        return CppBuilder(key, [source], CppTorchOptions(vec_isa=isa, warning_all=False),
                           os.path.dirname(source)).get_target_file_path()
     except (AttributeError, ValueError, TypeError):
-        return []
-    return [path] if os.path.isfile(path) else []
+        return None
 
 
 def build_command() -> list[str]:

@@ -1,0 +1,353 @@
+"""`use_farm_cache`: one line at the top of a training script that calls `torch.compile` and never
+exports, putting PyTorch's own remote caches (FX graph, AOTAutograd, autotune) on the farm:
+
+    from farm.client import use_farm_cache
+    use_farm_cache(store="s3://bucket/farm")                       # store credentials: reads and writes
+    use_farm_cache(url="redis://train:TOKEN@cache-host:6380")      # `farm cache-serve`: reads
+
+It installs a backend for the three caches through the one hook torch 2.11-2.13 has for it,
+`RemoteCache.backend_override_cls` (torch/_inductor/remote_cache.py), and turns them on. Unlike
+stock torch against Redis, it:
+
+- checks every entry before torch unpickles it: with FARM_VERIFY_KEY set, an entry whose index
+  document is unsigned or wrongly signed is refused (a miss, logged with its key); every value
+  and kernel is checked against the digest that document names;
+- ships the compiled CPU kernels with each FX graph entry it writes (the kernels this process
+  loaded so far, by their path under Inductor's cache dir, and the ISA probe), and puts them in
+  place before torch reads an entry, so a hit runs no g++ where the build command is the
+  writer's (checked; another one is logged once and compiles as before);
+- with `isa=`, pins Inductor's CPU code to that ISA (as the farm's own targets do), so every
+  machine of a fleet keys, builds and finds the same entries.
+
+Readers through `url=` need a `read` token of `farm cache-serve`; writers ship kernels only
+through `store=` (CI and the farm's workers hold the store's credentials anyway).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FX_KIND = "fx-graph-v1"
+# Inductor's kernels under its cache dir, as workers/backends/kernels.py names them
+KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")
+PROBE_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.so")  # an ISA probe: not a kernel's .main.so
+CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache", "RemoteBundledAutotuneCache")
+
+
+@dataclass
+class FarmCache:
+    """What `use_farm_cache` installed; `stats()` for what it did, `close()` to undo it."""
+    source: str
+    writes: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    _loaded: dict[str, str] = field(default_factory=dict)  # kernels this process loaded: name → path
+    _undo: list = field(default_factory=list)
+    _build_problem_said: bool = False
+    _probes_put: bool = False
+    _probes_key: bytes = b""  # named as use_farm_cache starts (within a compile, Inductor's settings differ)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def close(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
+
+
+def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | None = None,
+                   isa: str | None = None) -> FarmCache:
+    """Put this process's torch.compile caches on the farm (see the module's doc). `store`: a
+    store URI or Store (reads, and writes unless write=False); `url`: a `farm cache-serve`
+    endpoint, redis://NAME:TOKEN@HOST:PORT (reads; writes with write=True and a write token,
+    without kernels). `isa`: x86-64, avx2 or avx512, pinned for Inductor's CPU code."""
+    if (store is None) == (url is None):
+        raise ValueError("use_farm_cache: give store= (a store URI) or url= (redis://NAME:TOKEN@HOST:PORT of "
+                         "`farm cache-serve`), one of them")
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor import remote_cache
+
+    if store is not None:
+        from farm.stores import open_store
+
+        opened = open_store(store) if not hasattr(store, "backend") else store
+        backend: _Source = _StoreSource(opened)
+        cache = FarmCache(opened.uri, writes=write is not False)
+    else:
+        backend = _EndpointSource(url)
+        cache = FarmCache(_without_token(url), writes=bool(write))
+    _record_loaded_kernels(cache)
+    if isa is not None:
+        _pin_isa(cache, isa)
+    _install_probes(cache, backend)
+
+    backend_cls = _backend_class()
+
+    def make() -> remote_cache.RemoteCacheBackend:
+        return backend_cls(cache, backend)
+
+    for name in CACHES:
+        cls = getattr(remote_cache, name, None)
+        if cls is not None:
+            before = cls.__dict__.get("backend_override_cls")
+            cls.backend_override_cls = make
+            cache._undo.append(lambda cls=cls, before=before: setattr(cls, "backend_override_cls", before))
+    for module, name in ((inductor_config, "fx_graph_remote_cache"), (inductor_config, "autotune_remote_cache"),
+                         (functorch_config, "enable_remote_autograd_cache")):
+        before = getattr(module, name)
+        setattr(module, name, True)
+        cache._undo.append(lambda module=module, name=name, before=before: setattr(module, name, before))
+    return cache
+
+
+# where entries come from ------------------------------------------------------------
+class _Source:
+    def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None: ...  # index doc, value, files
+    def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None: ...
+
+
+class _StoreSource(_Source):
+    def __init__(self, store: Any):
+        from storage.remote_cache import CacheEntries
+
+        self.entries = CacheEntries(store)
+        self.writer = f"use_farm_cache@{os.uname().nodename}"
+
+    def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
+        found = self.entries.entry(key)  # the store checks the signature (FARM_VERIFY_KEY) and digests
+        if found is None:
+            return None
+        raw, doc, value = found
+        return raw, value, self.entries.files(doc)
+
+    def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None:
+        self.entries.put(key, value, self.writer, files, facts)
+
+
+class _EndpointSource(_Source):
+    def __init__(self, url: str):
+        import redis  # redis-py, as torch's own Redis backend needs
+
+        self.client = redis.Redis.from_url(url)
+
+    def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
+        reply = self.client.execute_command("FARM.ENTRY", key)
+        if reply is None:
+            return None
+        raw, value, files = reply
+        return raw, value, {name.decode(): data for name, data in files}
+
+    def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None:
+        self.client.set(key, value)
+
+
+# torch's side -------------------------------------------------------------------------
+def kind_of_key(key: bytes) -> str:
+    from storage.remote_cache import kind_of
+
+    return kind_of(key)
+
+
+@functools.cache
+def _backend_class() -> type:
+    """torch's RemoteCacheBackend, subclassed once torch is imported."""
+    from torch._inductor.remote_cache import RemoteCacheBackend
+
+    class Backend(RemoteCacheBackend):  # type: ignore[misc, type-arg]
+        """What torch calls for each remote-cache get and put."""
+
+        def __init__(self, cache: FarmCache, source: _Source):
+            super().__init__()
+            self.cache, self.source = cache, source
+
+        def _get(self, key: str) -> bytes | None:
+            return _get(self.cache, self.source, key.encode())
+
+        def _put(self, key: str, data: bytes) -> None:
+            _put(self.cache, self.source, key.encode(), data)
+
+    return Backend
+
+
+def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
+    found = _checked(cache, source, key)
+    if found is None:
+        return None
+    value, files, facts = found
+    if files:
+        cache.count("kernels_installed", _install(cache, files, facts))
+    cache.count("hits")
+    return value
+
+
+def _checked(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
+    """(value, files, facts) of an entry that passed `_problem`; None for a miss or a refusal."""
+    from storage.signing import Trust
+
+    try:
+        found = source.entry(key)
+    except Exception as e:  # noqa: BLE001 - a cache that cannot answer is a miss; torch compiles
+        log.warning("farm cache: %s not read from %s (%s: %s): compiling it here", key[:80], cache.source,
+                    type(e).__name__, e)
+        cache.count("errors")
+        return None
+    if found is None:
+        cache.count("misses")
+        return None
+    raw, value, files = found
+    problem = _problem(key, raw, value, Trust.from_env())
+    if problem:
+        log.warning("farm cache: refused %s: %s; compiling it here", key.decode("utf-8", "replace")[:120], problem)
+        cache.count("refused")
+        return None
+    return value, files, json.loads(raw).get("facts") or {}
+
+
+def _problem(key: bytes, raw: bytes, value: bytes, trust: Any) -> str | None:
+    """Why this entry must not reach torch's unpickler, or None: its index document's signature
+    (where FARM_VERIFY_KEY requires one), its key, and its value's digest."""
+    from storage.remote_cache import index_path
+
+    try:
+        doc = trust.open(index_path(key), json.loads(raw))
+    except Exception as e:  # noqa: BLE001 - UntrustedDocument, or not JSON at all
+        return str(e)
+    if doc.get("key") != key.decode("utf-8", "surrogateescape"):
+        return "its index document names another key"
+    digest = (doc.get("blob") or {}).get("digest")
+    if hashlib.sha256(value).hexdigest() != digest:
+        return "its value does not match the digest its index document names"
+    return None
+
+
+def _install(cache: FarmCache, files: dict[str, bytes], facts: dict[str, Any]) -> int:
+    from workers.backends import kernels
+
+    recorded = facts.get("build_command")
+    problem = kernels.build_problem(recorded) if recorded else "the entry does not say how its kernels were built"
+    if problem:
+        if not cache._build_problem_said:
+            log.warning("farm cache: its kernels are not used here: %s", problem)
+            cache._build_problem_said = True
+        return 0
+    safe = {name: data for name, data in files.items() if KERNEL_PATH.fullmatch(name) and ".." not in name}
+    return kernels.install(safe)
+
+
+def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
+    if not cache.writes:
+        return
+    files: dict[str, bytes] = {}
+    facts: dict[str, Any] = {}
+    if kind_of_key(key) == FX_KIND and isinstance(source, _StoreSource):
+        files, facts = _kernels(cache)
+        _put_probes(cache, source)
+    source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
+    cache.count("writes")
+
+
+def _kernels(cache: FarmCache) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Every kernel this process has loaded (the entry's among them; a kernel shared with an
+    earlier graph is loaded once), with the build command they need."""
+    from workers.backends import kernels
+
+    return _read(cache._loaded), {"build_command": kernels.build_command()}
+
+
+def _read(paths: dict[str, str]) -> dict[str, bytes]:
+    files = {}
+    for name, path in paths.items():
+        try:
+            files[name] = Path(path).read_bytes()
+        except OSError:
+            continue  # removed meanwhile: the reader builds that one
+    return files
+
+
+# Inductor's ISA probes: built before its first cache lookup (the key names the vector ISA), so a
+# reader installs them as use_farm_cache starts, from an entry of their own per toolchain.
+def _probes_key() -> bytes:
+    """The probes' entry: named by where this torch and compiler put the x86 probes (naming
+    them builds nothing), so a toolchain that builds other ones never takes these."""
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list
+
+    from workers.backends import kernels
+
+    names = sorted(Path(p).name for isa in supported_vec_isa_list if (p := kernels.isa_probe_path(str(isa))))
+    return b"pt2:farm-isa-probes-v1::" + hashlib.sha256("\n".join(names).encode()).hexdigest().encode() + b":c1"
+
+
+def _install_probes(cache: FarmCache, source: _Source) -> None:
+    from workers.backends import kernels
+
+    cache._probes_key = _probes_key()
+    found = _checked(cache, source, cache._probes_key)
+    if found is not None:
+        files = {n: d for n, d in found[1].items() if PROBE_PATH.fullmatch(n)}
+        cache.count("probes_installed", kernels.install(files))
+
+
+def _put_probes(cache: FarmCache, source: _Source) -> None:
+    """The probes this process's Inductor built, once (a writer, after its first compile)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if cache._probes_put:
+        return
+    cache._probes_put = True
+    root = Path(cache_dir())
+    built = {p.relative_to(root).as_posix(): str(p) for p in root.glob("*/*.so") if PROBE_PATH.fullmatch(
+        p.relative_to(root).as_posix())}
+    if built:
+        source.put(cache._probes_key, json.dumps(sorted(built)).encode(), _read(built), {})
+
+
+def _record_loaded_kernels(cache: FarmCache) -> None:
+    from torch._inductor.codecache import CppCodeCache
+
+    from workers.backends import kernels
+
+    original = CppCodeCache._load_library.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: Any, path: str, key: str) -> Any:
+        loaded = original(cls, path, key)
+        if (name := kernels.relative(path)) is not None:
+            cache._loaded[name] = path
+        return loaded
+
+    CppCodeCache._load_library = classmethod(recording)  # type: ignore[method-assign]
+    cache._undo.append(lambda: setattr(CppCodeCache, "_load_library", classmethod(original)))
+
+
+def _pin_isa(cache: FarmCache, isa: str) -> None:
+    from torch._inductor import config as inductor_config
+
+    from workers.backends.cpu_isa import ISAS, only_vec_isa
+
+    if isa not in ISAS:
+        raise ValueError(f"use_farm_cache: unknown isa {isa!r}; choose one of {', '.join(ISAS)}")
+    pinned = only_vec_isa(ISAS[isa].vec_isa)
+    pinned.__enter__()
+    cache._undo.append(lambda: pinned.__exit__(None, None, None))
+    for name, value in ISAS[isa].inductor_configs.items():
+        section, _, attr = name.rpartition(".")
+        owner = getattr(inductor_config, section) if section else inductor_config
+        before = getattr(owner, attr)
+        setattr(owner, attr, value)
+        cache._undo.append(lambda owner=owner, attr=attr, before=before: setattr(owner, attr, before))
+
+
+def _without_token(url: str) -> str:
+    return re.sub(r"//[^@/]*@", "//", url)
