@@ -42,24 +42,28 @@ def _serve(store_uri: str, tokens: Path, **kw) -> CacheServer:
     return server
 
 
-def _jit_step(url: str, tmp: Path) -> dict:
-    """tests/jit_step.py in a fresh process with an empty local Inductor cache, its remote caches
-    set by the environment alone."""
+def _jit_step(url: str | None = None, **env: str) -> dict:
+    """tests/jit_step.py in a fresh process with an empty local Inductor cache: its remote caches
+    set by the environment alone (`url`), or the farm's through use_farm_cache (FARM_CACHE_*).
+    Its stderr is kept as "stderr"."""
     cache = Path(os.environ.get("TMPDIR", "/tmp")) / f"jit-cache-{os.getpid()}-{time.monotonic_ns()}"
-    env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
-           "TORCHINDUCTOR_REDIS_URL": url, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("FARM_SIGNING", "FARM_VERIFY"))},
+           "TORCHINDUCTOR_CACHE_DIR": str(cache), **env}
+    if url is not None:
+        env.update(TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1",
+                   TORCHINDUCTOR_REDIS_URL=url)
     try:
         out = subprocess.run([sys.executable, str(ROOT / "tests" / "jit_step.py")], env=env, capture_output=True,
-                             text=True, timeout=300, stdin=subprocess.DEVNULL)
+                             text=True, timeout=300, stdin=subprocess.DEVNULL, cwd=ROOT)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
-def _fill_then_hit(url_writer: str, url_reader: str, tmp: Path) -> tuple[dict, dict]:
-    cold = _jit_step(url_writer, tmp)
-    warm = _jit_step(url_reader, tmp)
+def _fill_then_hit(url_writer: str, url_reader: str) -> tuple[dict, dict]:
+    cold = _jit_step(url_writer)
+    warm = _jit_step(url_reader)
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and cold["aot_autograd"].get("autograd_cache_saved") == 1
     # every graph (forward and backward) from the remote cache, none compiled; the same gradients
     assert warm["inductor"].get("fxgraph_cache_hit") == cold["inductor"]["fxgraph_cache_miss"], warm
@@ -74,8 +78,7 @@ def test_stock_torch_fills_the_farm_cache_and_a_fresh_process_hits_every_graph(b
     uri = str(tmp_path / "store") if backend == "local" else request.getfixturevalue("s3_uri")
     server = _serve(uri, tokens)
     try:
-        _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}", f"redis://alice:{READER}@127.0.0.1:{server.port}",
-                       tmp_path)
+        _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}", f"redis://alice:{READER}@127.0.0.1:{server.port}")
         stats = server.entries.stats()
     finally:
         server.stop()
@@ -100,15 +103,50 @@ def test_torch_sees_the_same_hits_from_the_farm_cache_as_from_a_real_redis_serve
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.1)
-        real = _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}", tmp_path)
+        real = _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}")
         ours = _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}",
-                              f"redis://alice:{READER}@127.0.0.1:{server.port}", tmp_path)
+                              f"redis://alice:{READER}@127.0.0.1:{server.port}")
     finally:
         redis.kill()
         server.stop()
     cache_counters = lambda run: {k: v for part in ("inductor", "aot_autograd") for k, v in run[part].items()
-                                  if "cache" in k}
+                                  if "cache" in k}  # noqa: E731
     assert [cache_counters(r) for r in ours] == [cache_counters(r) for r in real]
+
+
+@pytest.mark.slow
+def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_entries(tokens, tmp_path):
+    from storage.signing import keygen
+
+    signing, verify = keygen(tmp_path / "keys")
+    store = str(tmp_path / "store")
+    cold = _jit_step(FARM_CACHE_STORE=store, FARM_SIGNING_KEY=str(signing))  # CI: a writer with the store
+    assert cold["kernels_built"] > 0 and cold["farm"]["writes"] == 3 and cold["farm"].get("hits", 0) == 0
+    server = _serve(store, tokens)
+    try:  # a training job: a reader token of cache-serve, the farm's public key
+        warm = _jit_step(FARM_CACHE_URL=f"redis://alice:{READER}@127.0.0.1:{server.port}", FARM_CACHE_WRITE="0",
+                         FARM_VERIFY_KEY=str(verify))
+    finally:
+        server.stop()
+    assert warm["kernels_built"] == 0 and warm["grads"] == cold["grads"], warm  # no g++ at all: kernels and probes shipped
+    assert warm["inductor"].get("fxgraph_cache_hit") == 2 and warm["aot_autograd"].get("autograd_cache_hit") == 1
+    assert warm["farm"]["hits"] == 3 and warm["farm"]["kernels_installed"] > 0 and warm["farm"]["probes_installed"] > 0
+
+    entries = store_from_uri(store).backend
+    fx, autograd = (sorted(p for p in entries.list(f"remote-cache/{kind}/") if p.endswith(".json"))
+                    for kind in ("fx-graph-v1", "autograd-experimental"))
+    tampered = json.loads(entries.read(fx[0]))
+    tampered["writer"] = "someone else"  # any edit breaks the signature
+    entries.write(fx[0], json.dumps(tampered).encode())
+    unsigned = json.loads(entries.read(autograd[0]))
+    del unsigned["signature"]
+    entries.write(autograd[0], json.dumps(unsigned).encode())
+    checked = _jit_step(FARM_CACHE_STORE=store, FARM_CACHE_WRITE="0", FARM_VERIFY_KEY=str(verify))
+    assert checked["farm"]["refused"] == 2 and checked["grads"] == cold["grads"]  # compiled here instead
+    assert checked["aot_autograd"].get("autograd_cache_miss") == 1 and checked["inductor"].get("fxgraph_cache_miss", 0) >= 1
+    refusals = [line for line in checked["stderr"].splitlines() if "farm cache: refused" in line]
+    assert any(tampered["key"][:60] in line and "signature" in line for line in refusals), refusals
+    assert any(unsigned["key"][:60] in line and "unsigned" in line for line in refusals), refusals
 
 
 # hostile clients ---------------------------------------------------------------------
