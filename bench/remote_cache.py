@@ -1,0 +1,185 @@
+"""Training scripts that never export, on the farm's store as PyTorch's remote caches, in one run.
+
+The smoke zoo's `gpt` and `encoder_block` training steps (forward and backward) under plain
+`torch.compile`, each case a fresh process with an empty local Inductor cache, timed over its
+first 3 steps (compiles included, torch's import not). Inductor's precompiled header, which lives
+in /tmp whatever the cache dir, is built by a warm-up run first, so every case finds it.
+
+  cold           no remote cache: the baseline
+  farm, stock    stock torch, environment variables only, against `farm cache-serve`, after
+                 another process (a writer token) filled it
+  redis, stock   the same against Debian's redis-server, side by side (skipped if absent)
+  use_farm_cache farm.client.use_farm_cache through cache-serve, after a writer filled the store
+  4 ranks        four processes at once on a cold farm cache (use_farm_cache, writers): their
+                 compile CPU-seconds together against one cold process's
+
+and the endpoint's throughput: GETs of a 100 KiB value per second on loopback, one client.
+
+    .venv/bin/python bench/remote_cache.py [--models gpt encoder_block] [--steps 3]
+
+Goals (issue 37): stock farm within 10 % of stock Redis; use_farm_cache at most 0.2 with 0
+kernel builds; 4 ranks at most 1.3x; at least 2,000 GETs/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STEP = """
+import json, os, sys, time
+import torch
+from torch._dynamo.utils import counters
+from farm.zoo import ZOO
+from workers.backends.kernels import counting_builds
+farm = None
+if os.environ.get("BENCH_FARM_STORE") or os.environ.get("BENCH_FARM_URL"):
+    from farm.client import use_farm_cache
+    farm = use_farm_cache(store=os.environ.get("BENCH_FARM_STORE"), url=os.environ.get("BENCH_FARM_URL"),
+                          write=os.environ.get("BENCH_FARM_WRITE") == "1")
+t0 = time.perf_counter()
+with counting_builds() as built:
+    for name in sys.argv[2:]:
+        torch.manual_seed(0)
+        entry = ZOO[name]
+        model = entry.build()
+        args, kwargs = entry.example()
+        step = torch.compile(model)
+        for _ in range(int(sys.argv[1])):
+            step(*args, **kwargs).float().square().mean().backward()
+print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "kernels_built": len(built),
+                              "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+                              "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+                              "autograd_hit": counters["aot_autograd"]["autograd_cache_hit"],
+                              "farm": farm.stats() if farm else None}))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: argparse.Namespace, root: Path, env: dict[str, str]) -> subprocess.Popen:
+    cache = Path(tempfile.mkdtemp(prefix="inductor-", dir=root))
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "BENCH_"))}
+    full.update(TORCHINDUCTOR_CACHE_DIR=str(cache), **env)
+    return subprocess.Popen([sys.executable, "-c", STEP, str(args.steps), *args.models], env=full, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    """The case's result, with the process's CPU-seconds (its compile workers' included)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0 or "RESULT " not in out:
+        raise SystemExit(f"a case failed ({proc.returncode}):\n{err[-3000:]}")
+    return {**json.loads(out.split("RESULT ", 1)[1]), "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def _run(args: argparse.Namespace, root: Path, **env: str) -> dict:
+    return _finish(_start(args, root, env))
+
+
+def _stock(url: str) -> dict[str, str]:
+    return {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
+            "TORCHINDUCTOR_REDIS_URL": url}
+
+
+def _throughput(port: int, token: str, seconds: float = 3.0) -> float:
+    import redis
+
+    client = redis.Redis.from_url(f"redis://bench:{token}@127.0.0.1:{port}")
+    key = b"pt2:bench-v1::throughput:c1"
+    client.set(key, os.urandom(100 << 10))
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        assert len(client.get(key)) == 100 << 10
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["gpt", "encoder_block"])
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+
+    from storage import store_from_uri
+    from storage.cache_server import CacheServer
+    from storage.cache_tokens import read_tokens
+    from storage.remote_cache import CacheEntries
+
+    root = Path(tempfile.mkdtemp(prefix="farm-bench-remote-cache-"))
+    token = "t" * 32
+    tokens = root / "tokens"
+    tokens.write_text(f"bench write {token}\n")
+    tokens.chmod(0o600)
+    stores = {name: root / f"store-{name}" for name in ("stock", "farm", "ranks")}
+    servers = {name: CacheServer(CacheEntries(store_from_uri(str(stores[name]))), read_tokens(tokens))
+               for name in ("stock", "farm")}
+    for server in servers.values():
+        server.start_in_thread()
+    url = {name: f"redis://bench:{token}@127.0.0.1:{s.port}" for name, s in servers.items()}
+
+    _run(args, root)  # warm-up, not counted: Inductor's precompiled header in /tmp
+    cold = _run(args, root)
+    _run(args, root, **_stock(url["stock"]))  # fills
+    farm_stock = _run(args, root, **_stock(url["stock"]))
+    redis_stock = None
+    if shutil.which("redis-server"):
+        port = _free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.5)
+            _run(args, root, **_stock(f"redis://127.0.0.1:{port}"))
+            redis_stock = _run(args, root, **_stock(f"redis://127.0.0.1:{port}"))
+        finally:
+            redis.kill()
+    _run(args, root, BENCH_FARM_STORE=str(stores["farm"]), BENCH_FARM_WRITE="1")  # CI fills it
+    farm_client = _run(args, root, BENCH_FARM_URL=url["farm"])
+    one = _run(args, root, BENCH_FARM_STORE=str(root / "store-one"), BENCH_FARM_WRITE="1")
+    ranks = [_start(args, root, {"BENCH_FARM_STORE": str(stores["ranks"]), "BENCH_FARM_WRITE": "1"}) for _ in range(4)]
+    ranks = [_finish(p) for p in ranks]
+    rate = _throughput(servers["farm"].port, token)
+    for server in servers.values():
+        server.stop()
+
+    print(f"compared: {', '.join(args.models)} training steps (forward + backward), the first {args.steps} steps of "
+          f"a fresh process with an empty local Inductor cache (torch's import not counted), on {os.cpu_count()} cores")
+    show = lambda label, r: print(  # noqa: E731
+        f"{label:<42}{r['seconds']:7.2f} s  {r['seconds'] / cold['seconds']:5.2f} of cold   kernels built "
+        f"{r['kernels_built']:3d}  FX hits {r['fx_hit']}/{r['fx_hit'] + r['fx_miss']}  AOTAutograd hits {r['autograd_hit']}")
+    show("cold, no remote cache", cold)
+    show("stock torch + farm cache-serve, filled", farm_stock)
+    if redis_stock:
+        show("stock torch + redis-server, filled", redis_stock)
+        ratio = (farm_stock["seconds"] / cold["seconds"]) / (redis_stock["seconds"] / cold["seconds"])
+        print(f"stock: farm / redis = {ratio:.2f}  (goal: within 10 %)")
+    else:
+        print("stock torch + redis-server: skipped, no redis-server (apt install redis-server)")
+    show("use_farm_cache through cache-serve, filled", farm_client)
+    print(f"use_farm_cache / cold = {farm_client['seconds'] / cold['seconds']:.2f} with {farm_client['kernels_built']} "
+          f"kernels built  (goal: at most 0.2, with 0)")
+    total = sum(r["cpu_s"] for r in ranks)
+    print(f"4 ranks at once on a cold farm cache: {total:.1f} CPU-s together against one cold process's "
+          f"{one['cpu_s']:.1f} = {total / one['cpu_s']:.2f}x  (goal: at most 1.3x; FX hits per rank: "
+          f"{[r['fx_hit'] for r in ranks]})")
+    print(f"endpoint: {rate:,.0f} GETs/s of 100 KiB values, one client on loopback  (goal: at least 2,000)")
+
+
+if __name__ == "__main__":
+    main()
