@@ -24,6 +24,7 @@ through `store=` (CI and the farm's workers hold the store's credentials anyway)
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -40,6 +41,8 @@ FX_KIND = "fx-graph-v1"
 # Inductor's kernels under its cache dir, as workers/backends/kernels.py names them
 KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")
 PROBE_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.so")  # an ISA probe: not a kernel's .main.so
+LEASE_TTL_S = 30.0  # a holder renews every ttl/4; one silent this long is taken over
+LEASE_POLL_S = 0.25  # how often a waiter looks for the entry
 CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache", "RemoteBundledAutotuneCache")
 
 
@@ -54,25 +57,41 @@ class FarmCache:
     _build_problem_said: bool = False
     _probes_put: bool = False
     _probes_key: bytes = b""  # named as use_farm_cache starts (within a compile, Inductor's settings differ)
+    leases: Any = None  # storage.leases.Leases, with store=: ranks that miss one key at once compile it once
+    wait_s: float = 3600.0
+    _held: dict = field(default_factory=dict)  # key → the lease this process holds while torch compiles it
+    _holding: dict = field(default_factory=dict)  # (thread, cache kind) → the key whose lease it holds
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
 
     def close(self) -> None:
+        for key in list(self._held):
+            self.release(key)
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+
+    def release(self, key: bytes) -> None:
+        lease = self._held.pop(key, None)
+        if lease is not None:
+            lease.release()
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
 
 
 def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | None = None,
-                   isa: str | None = None) -> FarmCache:
+                   isa: str | None = None, wait_s: float = 3600.0) -> FarmCache:
     """Put this process's torch.compile caches on the farm (see the module's doc). `store`: a
     store URI or Store (reads, and writes unless write=False); `url`: a `farm cache-serve`
     endpoint, redis://NAME:TOKEN@HOST:PORT (reads; writes with write=True and a write token,
-    without kernels). `isa`: x86-64, avx2 or avx512, pinned for Inductor's CPU code."""
+    without kernels). `isa`: x86-64, avx2 or avx512, pinned for Inductor's CPU code.
+
+    Ranks compile once (writers through store=): a process that misses a key takes a lease on
+    it in the store while torch compiles it, and others that miss it meanwhile wait for its
+    entry and hit; at most `wait_s` on a live holder (then they compile too), and a holder that
+    died is taken over after LEASE_TTL_S without a beat."""
     if (store is None) == (url is None):
         raise ValueError("use_farm_cache: give store= (a store URI) or url= (redis://NAME:TOKEN@HOST:PORT of "
                          "`farm cache-serve`), one of them")
@@ -83,9 +102,15 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     if store is not None:
         from farm.stores import open_store
 
+        from storage.leases import Leases, holder_here
+
         opened = open_store(store) if not hasattr(store, "backend") else store
         backend: _Source = _StoreSource(opened)
         cache = FarmCache(opened.uri, writes=write is not False)
+        if cache.writes:  # a reader never publishes: it must not hold others waiting
+            cache.leases = Leases(opened.backend, holder_here(), ttl_s=LEASE_TTL_S)
+            cache.wait_s = wait_s
+            atexit.register(cache.close)
     else:
         backend = _EndpointSource(url)
         cache = FarmCache(_without_token(url), writes=bool(write))
@@ -184,6 +209,8 @@ def _backend_class() -> type:
 
 def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
     found = _checked(cache, source, key)
+    if found is None and cache.leases is not None:
+        found = _compile_once(cache, source, key)
     if found is None:
         return None
     value, files, facts = found
@@ -193,8 +220,40 @@ def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
     return value
 
 
-def _checked(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
-    """(value, files, facts) of an entry that passed `_problem`; None for a miss or a refusal."""
+def _compile_once(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
+    """After a miss: the entry, once the process holding the key's lease published it; or None
+    with the lease now held here (torch compiles, `_put` publishes and releases), or after
+    waiting `wait_s` on a live holder. A lease whose compile ended without a put (torch failed,
+    or did not cache the graph) is released as this thread looks up its next key of that kind."""
+    import threading
+
+    from storage.leases import Lease
+
+    slot = (threading.get_ident(), kind_of_key(key))
+    if (stale := cache._holding.pop(slot, None)) is not None:
+        cache.release(stale)
+    name = "jit-" + hashlib.sha256(key).hexdigest()[:48]
+    claim = cache.leases.claim(name, lambda: _checked(cache, source, key, quiet=True),
+                               on_wait=lambda info: log.info("farm cache: %s is being compiled by %s; waiting",
+                                                             key[:80], info.holder),
+                               poll_s=LEASE_POLL_S, wait_s=cache.wait_s)
+    if isinstance(claim, Lease):
+        claim.__enter__()  # renewed from here until released
+        cache._held[key], cache._holding[slot] = claim, key
+        cache.count("leases")
+        return None
+    if claim is None:
+        log.warning("farm cache: waited %gs for %s from another process; compiling it here", cache.wait_s, key[:80])
+        cache.count("waits_given_up")
+        return None
+    cache.count("waited_hits")
+    return claim
+
+
+def _checked(cache: FarmCache, source: _Source, key: bytes,
+             quiet: bool = False) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
+    """(value, files, facts) of an entry that passed `_problem`; None for a miss or a refusal
+    (`quiet`: a miss is not counted, as while waiting on a lease)."""
     from storage.signing import Trust
 
     try:
@@ -205,7 +264,8 @@ def _checked(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes, dict
         cache.count("errors")
         return None
     if found is None:
-        cache.count("misses")
+        if not quiet:
+            cache.count("misses")
         return None
     raw, value, files = found
     problem = _problem(key, raw, value, Trust.from_env())
@@ -255,7 +315,10 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
     if kind_of_key(key) == FX_KIND and isinstance(source, _StoreSource):
         files, facts = _kernels(cache)
         _put_probes(cache, source)
-    source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
+    try:
+        source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
+    finally:
+        cache.release(key)  # published (or not: then the next claimant compiles it)
     cache.count("writes")
 
 
@@ -291,10 +354,19 @@ def _probes_key() -> bytes:
 
 
 def _install_probes(cache: FarmCache, source: _Source) -> None:
+    """The toolchain's probes from the farm; where none are there yet and this process writes,
+    built here under a lease (other ranks starting at once wait and take them) and published."""
     from workers.backends import kernels
 
-    cache._probes_key = _probes_key()
-    found = _checked(cache, source, cache._probes_key)
+    cache._probes_key = key = _probes_key()
+    found = _checked(cache, source, key)
+    if found is None and cache.leases is not None:
+        found = _compile_once(cache, source, key)
+        if key in cache._held:  # ours to build: Inductor checks every ISA it might use
+            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+            valid_vec_isa_list()
+            _put_probes(cache, source)
     if found is not None:
         files = {n: d for n, d in found[1].items() if PROBE_PATH.fullmatch(n)}
         cache.count("probes_installed", kernels.install(files))
@@ -310,8 +382,11 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
     root = Path(cache_dir())
     built = {p.relative_to(root).as_posix(): str(p) for p in root.glob("*/*.so") if PROBE_PATH.fullmatch(
         p.relative_to(root).as_posix())}
-    if built:
-        source.put(cache._probes_key, json.dumps(sorted(built)).encode(), _read(built), {})
+    try:
+        if built:
+            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), _read(built), {})
+    finally:
+        cache.release(cache._probes_key)
 
 
 def _record_loaded_kernels(cache: FarmCache) -> None:

@@ -125,14 +125,16 @@ class Leases:
         return Lease(self, info, interval_s=max(self.ttl_s / 4, 0.2))
 
     def claim(self, key: str, published: Callable[[], T | None], on_wait: Callable[[LeaseInfo], None] = lambda i: None,
-              poll_s: float = 1.0) -> Lease | T:
+              poll_s: float = 1.0, wait_s: float | None = None) -> Lease | T | None:
         """Either the lease on key (the caller compiles it) or what `published` returns once
-        another worker has published the key (the caller compiles nothing).
+        another worker has published the key (the caller compiles nothing); with `wait_s`, None
+        once it has waited that long on a live holder (the caller compiles without the lease).
 
         A holder that stops renewing for ttl_s is taken over; a holder that releases without
         publishing (its compile failed) leaves the key to the next claimant."""
         seen: LeaseInfo | None = None
         seen_since = time.monotonic()
+        give_up = None if wait_s is None else time.monotonic() + wait_s
         next_generation = 0
         while True:
             done = published()
@@ -153,6 +155,8 @@ class Leases:
                         on_wait(current)
                     seen, seen_since = current, time.monotonic()
                 next_generation = current.generation + 1
+                if give_up is not None and time.monotonic() > give_up:
+                    return None
                 time.sleep(min(poll_s, self.ttl_s / 4))
                 continue
             if lease is None:  # lost the race for that generation: watch the winner

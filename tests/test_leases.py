@@ -71,6 +71,14 @@ def test_a_live_holder_is_not_taken_over(store):
     result[0].release()
 
 
+
+def test_a_bounded_wait_on_a_live_holder_gives_up_and_takes_nothing(store):
+    with Leases(store.backend, "busy-worker", ttl_s=0.8).try_acquire("key4", 0):
+        t0 = time.monotonic()
+        got = Leases(store.backend, "patient", ttl_s=0.8).claim("key4", lambda: None, poll_s=0.1, wait_s=1.5)
+        assert got is None and 1.5 <= time.monotonic() - t0 < 5  # gave up after its wait, the lease untouched
+        assert Leases(store.backend, "x").current("key4").holder == "busy-worker"
+
 @pytest.mark.slow
 def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path):
     """A worker died holding the lease of a key: the next worker waits one lease period, then compiles."""

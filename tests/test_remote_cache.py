@@ -5,6 +5,7 @@ server goes on serving; tokens files are checked."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -147,6 +148,20 @@ def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_en
     refusals = [line for line in checked["stderr"].splitlines() if "farm cache: refused" in line]
     assert any(tampered["key"][:60] in line and "signature" in line for line in refusals), refusals
     assert any(unsigned["key"][:60] in line and "unsigned" in line for line in refusals), refusals
+
+
+@pytest.mark.slow
+def test_four_ranks_that_start_cold_at_once_compile_each_key_once(tmp_path):
+    store = str(tmp_path / "store")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ranks = list(pool.map(lambda _: _jit_step(FARM_CACHE_STORE=store), range(4)))
+    compiled = [r for r in ranks if r["farm"].get("leases")]
+    assert len(compiled) == 1, [r["farm"] for r in ranks]  # one rank compiled; the others waited for its entries
+    assert sum(r["inductor"].get("fxgraph_cache_miss", 0) for r in ranks) == 2  # forward and backward, once
+    assert sum(r["aot_autograd"].get("autograd_cache_miss", 0) for r in ranks) == 1
+    waited = [r for r in ranks if r is not compiled[0]]
+    assert all(r["farm"]["waited_hits"] >= 1 and r["kernels_built"] == 0 for r in waited), [r["farm"] for r in waited]
+    assert len({r["grads"] for r in ranks}) == 1
 
 
 # hostile clients ---------------------------------------------------------------------
