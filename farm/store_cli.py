@@ -87,23 +87,32 @@ def du(store: str = StoreOpt, grace_s: float = GraceOpt, as_json: bool = JsonOpt
     out.print(_table(f"{s.uri}: {u['objects']} objects, {_gb(u['bytes'])}", u["by_kind"], "kind"))
     out.print(_table("units by target (manifest, artifact, log, trace)", u["by_target"], "target"))
     out.print(_table("units by last use", u["by_last_use"], "last used"))
+    if u["by_cache_kind"]:
+        out.print(_table("PyTorch's remote-cache entries by cache (index, value, kernels)", u["by_cache_kind"], "cache"))
     frees = ", ".join(f"--unused-days {n}: {_gb(b)}" for n, b in u["gc_unused_days_frees_bytes"].items())
     out.print(f"farm gc would free {frees} ({u['pinned_units']} units pinned)")
 
 
 def pin(key: Optional[str] = typer.Argument(None, help="a unit key or its unique prefix"),
         job: Optional[str] = typer.Option(None, "--job", help="pin every unit of this job (and keep its record)"),
+        remote_cache: Optional[list[str]] = typer.Option(None, "--remote-cache", help="keep every PyTorch "
+                                                         "remote-cache entry of this kind (`farm du` lists them; all)"),
         label: Optional[str] = typer.Option(None, "--label", help="the pin's name, e.g. release-2026.11"),
         store: str = StoreOpt) -> None:
-    """Keep units, and everything they need, whatever their age."""
+    """Keep units, and everything they need, whatever their age; or remote-cache entries by kind."""
     from farm.console import out
     from storage import StoreError, UnknownKey
     from storage.pins import pin as make_pin
+    from storage.pins import pin_caches
 
-    if (key is None) == (job is None):
-        raise fail("name a unit KEY or --job JOB (one of them)")
+    if [key is not None, job is not None, bool(remote_cache)].count(True) != 1:
+        raise fail("name a unit KEY, --job JOB or --remote-cache KIND (one of them)")
     s = open_store(store)
     try:
+        if remote_cache:
+            made = pin_caches(s, remote_cache, label=label)
+            out.print(f"pinned the remote-cache entries of {', '.join(made.caches)} as {made.name}")
+            return
         keys = [s.resolve_key(key)] if key else _job_keys(s, job)
         made = make_pin(s, keys, label=label, job=job)
     except (StoreError, UnknownKey, ValueError) as e:
@@ -146,13 +155,13 @@ def pins(store: str = StoreOpt, as_json: bool = JsonOpt) -> None:
     found = every_pin(open_store(store))
     if as_json:
         typer.echo(json.dumps([{"name": p.name, "label": p.label, "keys": list(p.keys), "job": p.job,
-                                "created_at": p.created_at} for p in found], indent=1))
+                                "caches": list(p.caches), "created_at": p.created_at} for p in found], indent=1))
         return
     table = Table(title=f"{len(found)} pin(s)")
-    for col in ("name", "label", "units", "job", "created"):
+    for col in ("name", "label", "units", "job", "remote caches", "created"):
         table.add_column(col)
     for p in found:
-        table.add_row(p.name, p.label or "", str(len(p.keys)), p.job or "", p.created_at)
+        table.add_row(p.name, p.label or "", str(len(p.keys)), p.job or "", ", ".join(p.caches), p.created_at)
     out.print(table)
 
 

@@ -3,7 +3,7 @@
 Mark: what is kept refers to what it needs. Pins keep their units (and their jobs' records);
 units used within `unused_days` are kept (last use is a manifest's mtime: storage/store.py);
 job records as young, or named by the nightly history, are kept; torch's remote-cache entries
-(storage/remote_cache.py) used within `unused_days` are kept; every blob a kept manifest, job
+(storage/remote_cache.py) used within `unused_days`, or of a kind a pin keeps, are kept; every blob a kept manifest, job
 record, cache entry, tuning record or pin refers to is kept. Sweep, in this order: unit
 manifests, job records, cache entries, then blobs nothing refers to that are older than the
 grace period, then expired leases.
@@ -273,7 +273,8 @@ def plan(snap: Snapshot, policy: Policy) -> Plan:
         keep_jobs = snap.history_jobs | {p.job for p in snap.pins if p.job}
         jobs = {j for j, files in listing.jobs.items()
                 if j not in keep_jobs and _older(now, max(i.mtime for i in files), limit)}
-    cache = {n for n, info in listing.cache.items() if _older(now, info.mtime, limit)}
+    cache = {n for n, info in listing.cache.items() if _older(now, info.mtime, limit)
+             and not any(p.keeps_cache(info.path.split("/")[1]) for p in snap.pins)}
     others = set(snap.fixed_refs).union(*(refs for n, refs in snap.cache_refs.items() if n not in cache))
     for job in listing.jobs:
         if job not in jobs:

@@ -1,7 +1,8 @@
 """Pins: units kept whatever their age, with everything they need (artifact, program, log, trace,
 and their job's record when pinned by job). The collector (storage/gc.py) never takes them.
 
-    pins/<name>.json    {"name", "label", "keys": [...], "job": JOB | null, "created_at"}
+    pins/<name>.json    {"name", "label", "keys": [...], "job": JOB | null, "created_at",
+                         "caches": [...]}   # PyTorch remote-cache kinds kept whole (`all`: every kind)
 
 A pin is an ordinary store document, signed like manifests when signing is on. Its name is the
 label when one is given, else the key (`farm pin KEY`) or `job-<JOB>` (`farm pin --job JOB`).
@@ -17,6 +18,7 @@ from storage.signing import UntrustedDocument
 from storage.store import Store
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+KIND = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,15 @@ class Pin:
     label: str | None
     job: str | None
     created_at: str
+    caches: tuple[str, ...] = ()  # remote-cache kinds (storage/remote_cache.py) whose entries it keeps
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> "Pin":
         return cls(str(doc["name"]), tuple(str(k) for k in doc.get("keys", [])), doc.get("label"), doc.get("job"),
-                   str(doc.get("created_at", "")))
+                   str(doc.get("created_at", "")), tuple(str(c) for c in doc.get("caches", [])))
+
+    def keeps_cache(self, kind: str) -> bool:
+        return kind in self.caches or "all" in self.caches
 
 
 def _path(name: str) -> str:
@@ -54,6 +60,18 @@ def pin(store: Store, keys: list[str], label: str | None = None, job: str | None
     doc = {"name": name, "label": label, "keys": sorted(set(keys)), "job": job,
            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     store.put_document(path, doc)
+    return Pin.from_doc(doc)
+
+
+def pin_caches(store: Store, kinds: list[str], label: str | None = None) -> Pin:
+    """Keep every entry of these remote-cache kinds (`fx-graph-v1`, ..., or `all`) whatever its age."""
+    bad = [k for k in kinds if not KIND.fullmatch(k)]
+    if not kinds or bad:
+        raise ValueError(f"name the remote-cache kinds to keep (as `farm du` lists them, or all), not {bad or 'none'}")
+    name = label or f"remote-cache-{'-'.join(sorted(set(kinds)))}"
+    doc = {"name": name, "label": label, "keys": [], "job": None, "caches": sorted(set(kinds)),
+           "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    store.put_document(_path(name), doc)
     return Pin.from_doc(doc)
 
 

@@ -23,13 +23,15 @@ class Usage:
     by_kind: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
     by_target: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))  # units and their own blobs
     by_last_use: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))  # the same, by last use
+    # torch's remote-cache entries (storage/remote_cache.py) by cache kind: index, value and kernels
+    by_cache_kind: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
     gc_frees: dict[int, int] = field(default_factory=dict)  # unused days -> bytes that gc would delete
     pinned_units: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         table = lambda d: {k: {"count": v.count, "bytes": v.bytes} for k, v in sorted(d.items())}
         return {"objects": self.objects, "bytes": self.bytes, "by_kind": table(self.by_kind),
-                "by_target": table(self.by_target),
+                "by_target": table(self.by_target), "by_cache_kind": table(self.by_cache_kind),
                 "by_last_use": {label: {"count": self.by_last_use[label].count, "bytes": self.by_last_use[label].bytes}
                                 for _, label in AGES if label in self.by_last_use},
                 "gc_unused_days_frees_bytes": {str(n): b for n, b in self.gc_frees.items()},
@@ -64,6 +66,13 @@ def usage(store: Store, grace_s: float = DAY_S) -> Usage:
         label = _age_label(now - info.mtime)
         u.by_last_use[label].count += 1
         u.by_last_use[label].bytes += own
+    for name, info in listing.cache.items():
+        kind = info.path.split("/")[1]
+        refs = snap.cache_refs.get(name, set())
+        u.by_cache_kind[kind].count += 1
+        u.by_cache_kind[kind].bytes += info.size + sum(blobs[d].size for d in refs if d in blobs)
+        for digest in refs:
+            kind_of_blob.setdefault(digest, "remote-cache values")
     for digest, info in blobs.items():
         u.by_kind[kind_of_blob.get(digest, "unreferenced blobs")].add(info.size)
     for kind, infos in listing.by_kind.items():
@@ -79,5 +88,6 @@ def usage(store: Store, grace_s: float = DAY_S) -> Usage:
         u.gc_frees[days] = (sum(listing.units[k].size for k in chosen.units)
                             + sum(i.size for j in chosen.jobs for i in listing.jobs[j])
                             + sum(blobs[d].size for d in chosen.blobs)
-                            + sum(i.size for k in chosen.leases for i in listing.leases[k]))
+                            + sum(i.size for k in chosen.leases for i in listing.leases[k])
+                            + sum(listing.cache[n].size for n in chosen.cache))
     return u

@@ -212,19 +212,24 @@ def test_on_s3_publishers_journal_spares_the_first_pass_its_reads_and_a_real_pas
     assert s3.complete_manifest(keys[1])[0] is not None and s3.has_blob(prog)
 
 
-def test_remote_cache_entries_unused_too_long_go_with_their_values_and_used_ones_keep_theirs(store):
+def test_remote_cache_entries_unused_too_long_go_with_their_values_and_used_or_pinned_ones_stay(store):
+    from storage.pins import pin_caches
     from storage.remote_cache import CacheEntries, index_path
+    from storage.usage import usage
 
     entries = CacheEntries(store, refresh_age_s=0)
-    old, used = b"pt2:fx-graph-v1::old:c1", b"pt2:autograd-shared-v1::used:c1"
-    entries.put(old, b"old value", "ci")
-    entries.put(used, b"used value", "ci")
-    for key in (old, used):
+    old, used, pinned = b"pt2:fx-graph-v1::old:c1", b"pt2:autograd-shared-v1::used:c1", b"pt2:autotune-v2::kept:c1"
+    for key in (old, used, pinned):
+        entries.put(key, key + b" value", "ci", files={"ab/" + "c" * 52 + ".main.so": key + b" kernel"} if key == old else None)
         _age(store, index_path(key), 40)
-    for value in (b"old value", b"used value"):
-        _age(store, blob_path(_blob(store, value).digest), 40)
-    assert entries.get(used) == b"used value"  # a use renews its last-use mark
+        _age(store, blob_path(_blob(store, key + b" value").digest), 40)
+    _age(store, blob_path(_blob(store, old + b" kernel").digest), 40)
+    pin_caches(store, ["autotune-v2"], label="keep-autotune")
+    assert entries.get(used) == used + b" value"  # a use renews its last-use mark
+    du = usage(store).to_dict()
+    assert du["by_cache_kind"]["fx-graph-v1"]["count"] == 1 and du["by_kind"]["remote-cache values"]["count"] == 4
+    assert du["gc_unused_days_frees_bytes"]["30"] > 0
     report = collect(store, Policy(unused_days=30, grace_s=0))
-    assert report.deleted["remote-cache"].count == 1 and report.kept["remote-cache"].count == 1
-    assert entries.get(old) is None and entries.get(used) == b"used value"
-    assert store.backend.stat(index_path(old)) is None and report.deleted["blobs"].count == 1
+    assert report.deleted["remote-cache"].count == 1 and report.kept["remote-cache"].count == 2
+    assert entries.get(old) is None and entries.get(used) == used + b" value" and entries.get(pinned) == pinned + b" value"
+    assert store.backend.stat(index_path(old)) is None and report.deleted["blobs"].count == 2  # its value and kernel

@@ -41,7 +41,7 @@ def test_pin_du_and_gc_from_the_command_line(zoo_dir, tmp_path):
     assert {r.status for r in outcome.results} == {"compiled"}
 
     assert "pinned 1 unit(s) as release-1" in farm("pin", keys["mlp"][:12], "--label", "release-1", "--store", d)
-    assert "name a unit KEY or --job JOB" in farm("pin", "--store", d)
+    assert "name a unit KEY, --job JOB or --remote-cache KIND" in farm("pin", "--store", d)
     listed = json.loads(farm("pins", "--json", "--store", d))
     assert [(p["name"], p["keys"]) for p in listed] == [("release-1", [keys["mlp"]])]
 
