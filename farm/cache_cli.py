@@ -23,6 +23,8 @@ def cache_serve(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="serve TLS (clients use rediss://) with this "
                                                                     "certificate chain (PEM)"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="the certificate's private key (PEM)"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on "
+                                               "127.0.0.1:PORT/metrics (farm_remote_cache_*_total, by cache kind)"),
 ) -> None:
     """Serve the store to stock torch's remote caches until Ctrl-C: set
     TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=1, TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE=1 and
@@ -47,6 +49,8 @@ def cache_serve(
                    f"127.0.0.1 behind a TLS proxy")
     server = CacheServer(CacheEntries(open_store(store)), users, host=host, port=port,
                          max_value_bytes=int(max_value_mb * (1 << 20)), tls=tls)
+    if metrics_port is not None:
+        _serve_metrics(server, metrics_port)
     scheme = "rediss" if tls else "redis"
     console.print(f"farm cache-serve: {store} on {scheme}://NAME:TOKEN@{host}:{port} for {len(users)} users "
                   f"(tokens: {tokens}); Ctrl-C stops")
@@ -59,6 +63,63 @@ def cache_serve(
         pass
     finally:
         console.print("farm cache-serve stopped; served " + json.dumps(server.entries.stats()))
+
+
+def cache_stats(store: str = StoreOpt,
+                as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
+    """What each `farm cache-serve` on this store has served since it started: hits, misses,
+    refusals, writes and bytes, by cache kind, and their totals."""
+    from rich.table import Table
+
+    from farm.console import out
+    from storage import StoreError
+    from storage.remote_cache import read_stats
+
+    try:
+        servers = read_stats(open_store(store))
+    except StoreError as e:
+        raise fail(str(e)) from e
+    totals: dict[str, dict[str, int]] = {}
+    for doc in servers:
+        for kind, counts in doc["by_kind"].items():
+            for what, n in counts.items():
+                totals.setdefault(kind, {}).setdefault(what, 0)
+                totals[kind][what] += int(n)
+    if as_json:
+        typer.echo(json.dumps({"servers": servers, "by_kind": totals}, indent=1))
+        return
+    if not servers:
+        out.print(f"no farm cache-serve has served {store} yet")
+        return
+    table = Table(title=f"{store}: {len(servers)} cache-serve process(es), last "
+                        f"{max(str(d.get('updated_at')) for d in servers)}")
+    columns = ("hits", "misses", "refused", "writes", "bytes_read", "bytes_written")
+    table.add_column("cache")
+    for col in columns:
+        table.add_column(col.replace("_", " "), justify="right")
+    for kind, counts in sorted(totals.items()):
+        table.add_row(kind, *(str(counts.get(c, 0)) for c in columns))
+    out.print(table)
+
+
+def _serve_metrics(server, port: int) -> None:
+    """farm_remote_cache_<what>_total{kind=...} on 127.0.0.1:port, read from the server's counts
+    at each scrape."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import REGISTRY, CounterMetricFamily
+
+    class Counts:
+        def collect(self):
+            stats = server.entries.stats()
+            for what in ("hits", "misses", "refused", "writes", "bytes_read", "bytes_written"):
+                family = CounterMetricFamily(f"farm_remote_cache_{what}", f"farm cache-serve: {what.replace('_', ' ')}, "
+                                             f"by cache kind", labels=["kind"])
+                for kind, counts in sorted(stats.items()):
+                    family.add_metric([kind], counts.get(what, 0))
+                yield family
+
+    REGISTRY.register(Counts())
+    start_http_server(port, addr="127.0.0.1")
 
 
 def _interrupt(signum, frame) -> None:
@@ -90,3 +151,4 @@ def _tls(cert: str | None, key: str | None):
 
 def register(app: typer.Typer) -> None:
     app.command("cache-serve")(cache_serve)
+    app.command("cache-stats")(cache_stats)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
 import logging
+import os
+import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from storage import resp
 from storage.backend import StoreError
 from storage.cache_tokens import User, Users
-from storage.remote_cache import CacheEntries
+from storage.remote_cache import CacheEntries, save_stats
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ ANON_IDLE_S = 30.0
 AUTH_TRIES = 3
 STORE_THREADS = 16
 STREAM_LIMIT = 1 << 16  # the stream's buffer for header lines (resp.Limits bounds them far lower)
+STATS_EVERY_S = 10.0  # how often a server's counts reach the store, when they changed
 VERSION = "7.0.0"  # what HELLO says it is: the protocol torch and redis-py expect of a Redis 7
 
 
@@ -61,6 +65,9 @@ class CacheServer:
     _loop: asyncio.AbstractEventLoop | None = None
     _server: asyncio.base_events.Server | None = None
     _thread: threading.Thread | None = None
+    stats_every_s: float = STATS_EVERY_S
+    _saver: asyncio.Task | None = None
+    started_at: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     _open: dict = field(default_factory=dict)  # each client's task → its writer: cut off as the server stops
 
     def _limits(self, session: _Session) -> resp.Limits:
@@ -71,14 +78,40 @@ class CacheServer:
 
     # running ------------------------------------------------------------------------
     async def start(self) -> tuple[str, int]:
+        """Listen, and write what it served to the store every `stats_every_s` when it changed
+        (`farm cache-stats`), and once more as it stops."""
         self._server = await asyncio.start_server(self._client, self.host, self.port, limit=STREAM_LIMIT, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._saver = asyncio.create_task(self._save_stats_every(self.stats_every_s))
         return self.host, self.port
 
     async def serve_forever(self) -> None:
         await self.start()
-        async with self._server:
-            await self._server.serve_forever()
+        try:
+            async with self._server:
+                await self._server.serve_forever()
+        finally:
+            self._saver.cancel()
+            await self._store(self.save_stats)
+
+    async def _save_stats_every(self, seconds: float) -> None:
+        last = None
+        while True:
+            await asyncio.sleep(seconds)
+            now = self.entries.stats()
+            if now != last:
+                await self._store(self.save_stats)
+                last = now
+
+    def save_stats(self) -> None:
+        try:
+            save_stats(self.entries.store, self.name, self.entries.stats(), self.started_at)
+        except StoreError as e:
+            log.warning("cache-serve: its counts not written to the store (%s)", e)
+
+    @property
+    def name(self) -> str:
+        return f"{socket.gethostname()}-{self.port}-{os.getpid()}"
 
     def start_in_thread(self) -> tuple[str, int]:
         """Serve from a thread of this process (tests, embedding); `stop` ends it."""
@@ -102,6 +135,7 @@ class CacheServer:
     def stop(self) -> None:
         if self._loop is not None and self._server is not None:
             async def close() -> None:
+                self._saver.cancel()
                 self._server.close()
                 for writer in list(self._open.values()):
                     writer.transport.abort()  # its task then reads the end of its stream, and ends
@@ -110,6 +144,7 @@ class CacheServer:
                 self._loop.stop()
             asyncio.run_coroutine_threadsafe(close(), self._loop)
             self._thread.join(timeout=10)
+        self.save_stats()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # one client ---------------------------------------------------------------------

@@ -137,3 +137,32 @@ class CacheEntries:
                 self.store.backend.touch(path)
         except StoreError as e:
             log.warning("remote cache: last use of %s not recorded (%s)", path, e)
+
+
+# what each `farm cache-serve` has served, for `farm cache-stats` (outside remote-cache/: not entries)
+STATS_PREFIX = "service/cache-stats/"
+
+
+def save_stats(store: Store, server: str, stats: dict[str, dict[str, int]], started_at: str) -> None:
+    """One server's counts since it started, by cache kind (rewritten as they change)."""
+    store.backend.write(f"{STATS_PREFIX}{server}.json", json.dumps(
+        {"server": server, "started_at": started_at, "updated_at": _now(), "by_kind": stats}, indent=1).encode())
+
+
+def read_stats(store: Store) -> list[dict[str, Any]]:
+    """Every server's counts, oldest start first; a document that is not one is skipped."""
+    found = []
+    for path in sorted(store.backend.list(STATS_PREFIX)):
+        try:
+            doc = json.loads(store.backend.read(path) or b"null")
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("by_kind"), dict):
+            found.append(doc)
+    return sorted(found, key=lambda d: str(d.get("started_at")))
+
+
+def _now() -> str:
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

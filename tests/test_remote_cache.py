@@ -93,9 +93,7 @@ def test_torch_sees_the_same_hits_from_the_farm_cache_as_from_a_real_redis_serve
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("Debian's redis-server is not installed (./dev installs it where it runs as root)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = _serve(str(tmp_path / "store"), tokens)
@@ -162,6 +160,46 @@ def test_four_ranks_that_start_cold_at_once_compile_each_key_once(tmp_path):
     waited = [r for r in ranks if r is not compiled[0]]
     assert all(r["farm"]["waited_hits"] >= 1 and r["kernels_built"] == 0 for r in waited), [r["farm"] for r in waited]
     assert len({r["grads"] for r in ranks}) == 1
+
+
+def test_cache_serve_from_the_command_line_counts_what_it_served_in_metrics_and_cache_stats(tokens, tmp_path):
+    import redis
+    import urllib.request
+
+    store = str(tmp_path / "store")
+    port, metrics = (_free_port() for _ in range(2))
+    proc = subprocess.Popen([sys.executable, "-m", "farm", "cache-serve", "--store", store, "--tokens", str(tokens),
+                             "--port", str(port), "--metrics-port", str(metrics)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+        writer = redis.Redis.from_url(f"redis://ci:{WRITER}@127.0.0.1:{port}")
+        reader = redis.Redis.from_url(f"redis://alice:{READER}@127.0.0.1:{port}")
+        key = "pt2:fx-graph-v1::cli:c1"
+        assert writer.set(key, b"v" * 1000) and reader.get(key) == b"v" * 1000 and reader.get(key + "x") is None
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            reader.set(key, b"no")
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'farm_remote_cache_hits_total{kind="fx-graph-v1"} 1.0' in text, text[-2000:]
+        assert 'farm_remote_cache_refused_total{kind="fx-graph-v1"} 1.0' in text
+    finally:
+        proc.terminate()
+        said = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and "farm cache-serve stopped" in said, said
+    stats = json.loads(farm("cache-stats", "--store", store, "--json"))
+    assert stats["by_kind"]["fx-graph-v1"] == {"writes": 1, "bytes_written": 1000, "hits": 1, "bytes_read": 1000,
+                                               "misses": 1, "refused": 1}, stats
+    assert "fx-graph-v1" in farm("cache-stats", "--store", store)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # hostile clients ---------------------------------------------------------------------
