@@ -42,11 +42,8 @@ def cache_serve(
         raise fail(str(e)) from e
     if max_value_mb <= 0:
         raise fail(f"--max-value-mb {max_value_mb:g}: give a size in MiB above 0")
-    tls = _tls(tls_cert, tls_key)
-    if tls is None and not _loopback(host):
-        raise fail(f"--host {host} is not a loopback address, and without TLS every token and entry would cross the "
-                   f"network in the clear; give --tls-cert and --tls-key (clients then use rediss://), or serve on "
-                   f"127.0.0.1 behind a TLS proxy")
+    tls = checked_tls(tls_cert, tls_key)
+    refuse_plaintext(host, tls is not None, "--")
     server = CacheServer(CacheEntries(open_store(store)), users, host=host, port=port,
                          max_value_bytes=int(max_value_mb * (1 << 20)), tls=tls)
     if metrics_port is not None:
@@ -126,7 +123,16 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _loopback(host: str) -> bool:
+def refuse_plaintext(host: str, tls: bool, flags: str) -> None:
+    """Tokens and entries never cross a network in the clear: a non-loopback address needs TLS
+    (`flags`: the options' prefix, `--` or `--cache-`)."""
+    if not tls and not loopback(host):
+        raise fail(f"{flags}host {host} is not a loopback address, and without TLS every token and entry would cross "
+                   f"the network in the clear; give {flags}tls-cert and {flags}tls-key (clients then use rediss://), or "
+                   f"serve on 127.0.0.1 behind a TLS proxy")
+
+
+def loopback(host: str) -> bool:
     try:
         return all(ipaddress.ip_address(info[4][0]).is_loopback
                    for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
@@ -134,7 +140,7 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _tls(cert: str | None, key: str | None):
+def checked_tls(cert: str | None, key: str | None):
     if cert is None and key is None:
         return None
     if cert is None or key is None:

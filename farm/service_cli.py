@@ -42,6 +42,12 @@ def serve(
     max_workers: Optional[int] = typer.Option(None, help="compile workers in all (default: every CPU the cluster offers)"),
     min_workers: int = typer.Option(0, help="workers kept up while idle"),
     retries: int = typer.Option(2, help="re-queues of a unit whose worker died"),
+    cache_port: Optional[int] = typer.Option(None, "--cache-port", help="also serve the store to PyTorch's own "
+                                             "remote caches on this port (as `farm cache-serve`), from this node"),
+    cache_tokens: Optional[str] = typer.Option(None, "--cache-tokens", help="its users: 'NAME ROLE TOKEN' lines"),
+    cache_host: str = typer.Option("127.0.0.1", "--cache-host", help="its address (loopback unless --cache-tls-cert)"),
+    cache_tls_cert: Optional[str] = typer.Option(None, "--cache-tls-cert", help="serve it with TLS (rediss://)"),
+    cache_tls_key: Optional[str] = typer.Option(None, "--cache-tls-key", help="the certificate's private key"),
 ) -> None:
     """Start the farm as a long-lived service on a Ray cluster (a detached `farm-scheduler` actor,
     namespace `farm`) and return once it answers. Jobs submitted to the cluster then share its
@@ -54,10 +60,11 @@ def serve(
     from scheduler.service_config import ServiceConfig, seconds_from_env
 
     address = _address(address)
+    cache, secrets = _cache(cache_port, cache_tokens, cache_host, cache_tls_cert, cache_tls_key) if not stop else (None, None)
     try:
         config = ServiceConfig(max_workers=max_workers, min_workers=min_workers, retries=retries,
                                idle_s=seconds_from_env("FARM_IDLE_S", 300),
-                               inbox_poll_s=seconds_from_env("FARM_INBOX_POLL_S", None))
+                               inbox_poll_s=seconds_from_env("FARM_INBOX_POLL_S", None), cache=cache)
         with ray_session(address, keep=True):
             if stop:
                 said = stop_service()
@@ -65,14 +72,40 @@ def serve(
                           f"units failed (retryable, nothing half-published): {said['running']} running, "
                           f"{said['queued']} queued")
                 return
-            info = start_service(absolute_store(store), config)
+            info = start_service(absolute_store(store), config, secrets)
     except (JoinFailed, ServiceError, ValueError) as e:
         raise fail(str(e)) from e
     resumed = f"; resumed jobs: {', '.join(info['resumed'])}" if info["resumed"] else ""
     out.print(f"farm service up on {address}: actor farm-scheduler (namespace farm), store {info['store']}, "
               f"idle workers stop after {config.idle_s:g}s (FARM_IDLE_S){resumed}")
+    if info.get("cache"):
+        out.print(f"PyTorch's remote caches: {info['cache']} (README: PyTorch's own remote caches)")
     out.print(f"submit with `farm submit JOB.yaml --store {info['store']}` (through the store: no Ray needed) or "
               f"`--address {address}`, [--priority interactive|batch|nightly]; `farm jobs --address {address}` lists jobs")
+
+
+def _cache(port: int | None, tokens: str | None, host: str, tls_cert: str | None, tls_key: str | None):
+    """The cache's settings and secrets for `farm serve --cache-port`, checked here as
+    `farm cache-serve` checks them."""
+    from pathlib import Path
+
+    from farm.cache_cli import checked_tls, refuse_plaintext
+    from scheduler.service_config import CacheSecrets, CacheSettings
+    from storage.cache_tokens import TokensError, read_tokens
+
+    if port is None:
+        if tokens or tls_cert or tls_key:
+            raise fail("--cache-tokens and --cache-tls-* go with --cache-port: give it, or none of them")
+        return None, None
+    if tokens is None:
+        raise fail("--cache-port needs --cache-tokens: a file of 'NAME ROLE TOKEN' lines (README: PyTorch's own remote caches)")
+    try:
+        users = read_tokens(tokens)
+    except TokensError as e:
+        raise fail(str(e)) from e
+    refuse_plaintext(host, checked_tls(tls_cert, tls_key) is not None, "--cache-")
+    pem = lambda path: Path(path).read_text() if path else None  # noqa: E731
+    return CacheSettings(port=port, host=host), CacheSecrets(users.as_tuples(), pem(tls_cert), pem(tls_key))
 
 
 def jobs(address: Optional[str] = AddressOpt,

@@ -12,7 +12,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from scheduler.errors import ServiceError
 from scheduler.service import FarmScheduler
-from scheduler.service_config import ServiceConfig
+from scheduler.service_config import CacheSecrets, ServiceConfig
 
 SERVICE = "farm-scheduler"
 NAMESPACE = "farm"
@@ -52,22 +52,36 @@ def call(actor: Any, method: str, *args: Any, timeout: float = CALL_S) -> Any:
                                f"`farm serve` starts it again") from e
 
 
-def start_service(store_uri: str, config: ServiceConfig) -> dict[str, Any]:
-    """Start the service and wait until it answers; what it says of itself."""
+def start_service(store_uri: str, config: ServiceConfig, cache_secrets: CacheSecrets | None = None) -> dict[str, Any]:
+    """Start the service and wait until it answers; what it says of itself. With a cache
+    (config.cache), the actor is placed on this process's node, where `farm serve` said it listens."""
     found = find_service()
     if found is not None:
         running = call(found, "ping")
         raise ServiceError(f"a farm service already runs on this cluster (store {running['store']}, since "
                            f"{running['started_at']}); `farm serve --stop` ends it")
     try:
-        actor = _RemoteScheduler.options(name=SERVICE, namespace=NAMESPACE, lifetime="detached").remote(store_uri, config)
+        here = {}
+        if config.cache is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                          soft=False)}
+        actor = _RemoteScheduler.options(name=SERVICE, namespace=NAMESPACE, lifetime="detached", **here).remote(
+            store_uri, config, cache_secrets)
     except ValueError as e:  # another `farm serve` won the name meanwhile
         raise ServiceError(f"a farm service was just started on this cluster by someone else ({e})") from e
     try:
-        return call(actor, "ping", timeout=START_S)
+        info = call(actor, "ping", timeout=START_S)
     except ServiceError:
         ray.kill(actor, no_restart=True)
         raise
+    if info.get("cache_error"):
+        stop_service()
+        raise ServiceError(f"the farm service's remote cache could not start on {config.cache.host}:"
+                           f"{config.cache.port} ({info['cache_error']}); the service was stopped: choose another "
+                           f"--cache-port, or check --cache-tls-cert/--cache-tls-key")
+    return info
 
 
 def stop_service() -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from scheduler.fair import UnknownPriority, weight_of
 from scheduler.jobs import STATUS_FILE, NoEvents, empty_status, execute, new_job_id, read_status
-from scheduler.service_config import ServiceConfig
+from scheduler.service_config import CacheSecrets, CacheSettings, ServiceConfig
 from scheduler.shared_pool import SharedPool
 from scheduler.spec import JobSpec, SpecError, is_local_source, parse_job
 from storage import CacheConfig, Store, StoreError, store_from_uri
@@ -59,6 +59,21 @@ class ServiceRunner:
                 yield from GangRunner(self.job_id, place_s, self.pool.gang_ranks)([gang], store, events)
 
 
+def _start_cache(store: Store, settings: CacheSettings, secrets: CacheSecrets | None):
+    """The store served to PyTorch's remote caches from this actor (`farm serve --cache-port`)."""
+    from storage.cache_server import CacheServer, tls_context
+    from storage.cache_tokens import User, Users
+    from storage.remote_cache import CacheEntries
+
+    if secrets is None or not secrets.users:
+        raise ValueError("farm serve --cache-port needs --cache-tokens: a file of 'NAME ROLE TOKEN' lines")
+    tls = tls_context(secrets.tls_cert, secrets.tls_key) if secrets.tls_cert and secrets.tls_key else None
+    server = CacheServer(CacheEntries(store), Users([User(*u) for u in secrets.users]), host=settings.host,
+                         port=settings.port, max_value_bytes=int(settings.max_value_mb * (1 << 20)), tls=tls)
+    server.start_in_thread()
+    return server
+
+
 def local_sources(job: JobSpec) -> list[str]:
     """Graphs a spec names by a path on the submitting machine: a service cannot read them (and
     must not read its own host's files for a client); the client uploads them first."""
@@ -67,7 +82,7 @@ def local_sources(job: JobSpec) -> list[str]:
 
 
 class FarmScheduler:
-    def __init__(self, store_uri: str, config: ServiceConfig):
+    def __init__(self, store_uri: str, config: ServiceConfig, cache_secrets: CacheSecrets | None = None):
         from scheduler.ray_pool import RayCluster
         from scheduler.service_metrics import ServiceMetrics
 
@@ -97,11 +112,22 @@ class FarmScheduler:
         self._inbox_poll_s = config.inbox_poll_s if config.inbox_poll_s is not None else 0.05 if local else 0.5
         self._inbox_thread = threading.Thread(target=self._watch_inbox, name="farm inbox", daemon=True)
         self._inbox_thread.start()
+        self.cache, self.cache_error = None, None
+        if config.cache is not None:
+            try:
+                self.cache = _start_cache(self.store, config.cache, cache_secrets)
+            except (OSError, ValueError) as e:  # said by `ping`: `farm serve` reports it and stops the service
+                self.cache_error = f"{type(e).__name__}: {e}"
 
     # calls from clients -------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
+        cache = None
+        if self.cache is not None:
+            scheme = "rediss" if self.cache.tls else "redis"
+            cache = f"{scheme}://NAME:TOKEN@{self.cache.host}:{self.cache.port}"
         return {"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid(),
-                "config": asdict(self.config), "resumed": list(self.resumed)}
+                "config": asdict(self.config), "resumed": list(self.resumed), "cache": cache,
+                "cache_error": self.cache_error}
 
     def submit(self, spec: dict[str, Any], priority: str | None = None, job_id: str | None = None) -> dict[str, Any]:
         """Accept a job (its graphs already in the store, as blob:// addresses) or say why not;
@@ -175,6 +201,8 @@ class FarmScheduler:
             record.state, record.error = "cancelled", "the farm service was stopped"
             self.records.put(record)
         counts = self.pool.stop()
+        if self.cache is not None:
+            self.cache.stop()
         self.metrics.close()
         return {"jobs": [r.job_id for r in active], **counts}
 

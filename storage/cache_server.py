@@ -291,3 +291,19 @@ async def _close(writer: asyncio.StreamWriter) -> None:
         await writer.wait_closed()
     except (ConnectionError, OSError):
         pass
+
+
+def tls_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
+    """A server context from PEM text (as a farm service's actor gets it), through files only this
+    process can read, removed at once."""
+    import tempfile
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    with tempfile.TemporaryDirectory(prefix="farm-cache-tls-") as d:
+        cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+        for path, text in ((cert, cert_pem), (key, key_pem)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        context.load_cert_chain(cert, key)
+    return context

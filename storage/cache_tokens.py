@@ -46,6 +46,10 @@ class Users:
     def __len__(self) -> int:
         return len(self._by_name)
 
+    def as_tuples(self) -> tuple[tuple[str, str, str], ...]:
+        """(name, role, token) each: to hand them to a farm service's actor."""
+        return tuple((u.name, u.role, u.token) for u in self._by_name.values())
+
     def check(self, name: str, token: str) -> User | None:
         """The user, if the token is theirs (compared in constant time), else None."""
         user = self._by_name.get(name)

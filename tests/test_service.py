@@ -15,13 +15,14 @@ import ray
 from farm import client
 from farm.service_client import ServiceRefused, connect
 from scheduler.ray_service import SERVICE, ServiceError, call, find_service, start_service, stop_service
-from scheduler.service_config import ServiceConfig
+from scheduler.service_config import CacheSecrets, CacheSettings, ServiceConfig
 from scheduler.spec import SpecError
 from storage.results import read_results
 from tests.gang_models import replicas
 
 pytestmark = pytest.mark.slow
 
+CACHE_WRITER, CACHE_READER = "w" * 24, "r" * 24
 CHEAP = "core-aten"  # a real lowering, seconds each; its class (x86-64) has one slot on the test cluster
 
 
@@ -30,7 +31,8 @@ def service(ray_cluster, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("service-store"))
     if find_service() is not None:  # left by an earlier run that was killed
         stop_service()
-    start_service(store, ServiceConfig(idle_s=600))
+    start_service(store, ServiceConfig(idle_s=600, cache=CacheSettings(port=0)),
+                  CacheSecrets((("ci", "write", CACHE_WRITER), ("alice", "read", CACHE_READER))))
     yield connect(ray_cluster.address)
     if find_service() is not None:
         stop_service()
@@ -250,6 +252,24 @@ def test_a_client_without_ray_hands_its_job_over_through_the_store(service, zoo_
     doc = handle.status()
     assert doc["state"] == "rejected" and "path on the submitting machine" in doc["error"], doc
     assert not inbox.waiting("hostile-1") and "hostile-1" not in {j["job_id"] for j in service.jobs()}
+
+
+def test_the_service_serves_its_store_to_pytorchs_remote_caches_and_says_where_but_not_the_tokens(service):
+    import redis
+
+    info = call(find_service(), "ping")
+    assert info["cache"].startswith("redis://NAME:TOKEN@127.0.0.1:") and info["cache_error"] is None
+    assert CACHE_WRITER not in json.dumps(info) and CACHE_READER not in json.dumps(info)
+    where = info["cache"].rsplit("@", 1)[1]
+    key = "pt2:fx-graph-v1::service:c1"
+    assert redis.Redis.from_url(f"redis://ci:{CACHE_WRITER}@{where}").set(key, b"entry")
+    reader = redis.Redis.from_url(f"redis://alice:{CACHE_READER}@{where}")
+    assert reader.get(key) == b"entry"
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        reader.set(key, b"no")
+    from storage import store_from_uri
+
+    assert any(p.startswith("remote-cache/fx-graph-v1/") for p in store_from_uri(info["store"]).backend.list("remote-cache/"))
 
 
 def test_the_services_metrics_reach_prometheus_and_its_dashboard_names_only_them(service, ray_cluster):
