@@ -136,6 +136,7 @@ class CacheServer:
         if self._loop is not None and self._server is not None:
             async def close() -> None:
                 self._saver.cancel()
+                await asyncio.gather(self._saver, return_exceptions=True)
                 self._server.close()
                 for writer in list(self._open.values()):
                     writer.transport.abort()  # its task then reads the end of its stream, and ends

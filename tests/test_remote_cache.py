@@ -76,41 +76,41 @@ def _fill_then_hit(url_writer: str, url_reader: str) -> tuple[dict, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_stock_torch_fills_the_farm_cache_and_a_fresh_process_hits_every_graph(backend, tokens, tmp_path, request):
+    """On the local store, the same beside a real redis-server: torch sees the same hits from both,
+    which shows we speak what torch expects, not what we assumed."""
     uri = str(tmp_path / "store") if backend == "local" else request.getfixturevalue("s3_uri")
     server = _serve(uri, tokens)
     try:
-        _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}", f"redis://alice:{READER}@127.0.0.1:{server.port}")
+        ours = _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}",
+                              f"redis://alice:{READER}@127.0.0.1:{server.port}")
         stats = server.entries.stats()
     finally:
         server.stop()
     assert stats["fx-graph-v1"]["writes"] >= 2 and stats["fx-graph-v1"]["hits"] >= 2
     store = store_from_uri(uri)
     assert any(p.startswith("remote-cache/fx-graph-v1/") for p in store.backend.list("remote-cache/"))
+    if backend == "local":
+        cache_counters = lambda run: {k: v for part in ("inductor", "aot_autograd")  # noqa: E731
+                                      for k, v in run[part].items() if "cache" in k}
+        assert [cache_counters(r) for r in ours] == [cache_counters(r) for r in _beside_a_real_redis()]
 
 
-@pytest.mark.slow
-def test_torch_sees_the_same_hits_from_the_farm_cache_as_from_a_real_redis_server(tokens, tmp_path):
+def _beside_a_real_redis() -> tuple[dict, dict]:
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.skip("Debian's redis-server is not installed (./dev installs it where it runs as root)")
+        pytest.skip("Debian's redis-server is not installed (./dev installs it where it runs as root); the farm's "
+                    "endpoint was checked, not compared")
     port = _free_port()
     redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = _serve(str(tmp_path / "store"), tokens)
     try:
         deadline = time.monotonic() + 30
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.1)
-        real = _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}")
-        ours = _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}",
-                              f"redis://alice:{READER}@127.0.0.1:{server.port}")
+        return _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}")
     finally:
         redis.kill()
-        server.stop()
-    cache_counters = lambda run: {k: v for part in ("inductor", "aot_autograd") for k, v in run[part].items()
-                                  if "cache" in k}  # noqa: E731
-    assert [cache_counters(r) for r in ours] == [cache_counters(r) for r in real]
 
 
 @pytest.mark.slow
@@ -153,12 +153,13 @@ def test_four_ranks_that_start_cold_at_once_compile_each_key_once(tmp_path):
     store = str(tmp_path / "store")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         ranks = list(pool.map(lambda _: _jit_step(FARM_CACHE_STORE=store), range(4)))
-    compiled = [r for r in ranks if r["farm"].get("leases")]
-    assert len(compiled) == 1, [r["farm"] for r in ranks]  # one rank compiled; the others waited for its entries
+    # one lease per key, each taken once: the ISA probes, the two FX graphs and the AOTAutograd entry
+    assert sum(r["farm"].get("leases", 0) for r in ranks) == 4, [r["farm"] for r in ranks]
     assert sum(r["inductor"].get("fxgraph_cache_miss", 0) for r in ranks) == 2  # forward and backward, once
     assert sum(r["aot_autograd"].get("autograd_cache_miss", 0) for r in ranks) == 1
-    waited = [r for r in ranks if r is not compiled[0]]
-    assert all(r["farm"]["waited_hits"] >= 1 and r["kernels_built"] == 0 for r in waited), [r["farm"] for r in waited]
+    waited = [r for r in ranks if not r["inductor"].get("fxgraph_cache_miss")]
+    assert len(waited) == 3 and all(r["farm"]["waited_hits"] >= 1 and r["kernels_built"] == 0 for r in waited), \
+        [r["farm"] for r in waited]
     assert len({r["grads"] for r in ranks}) == 1
 
 
