@@ -60,6 +60,7 @@ class FarmCache:
     leases: Any = None  # storage.leases.Leases, with store=: ranks that miss one key at once compile it once
     wait_s: float = 3600.0
     _held: dict = field(default_factory=dict)  # key → the lease this process holds while torch compiles it
+    _parts: dict = field(default_factory=dict)  # FX key → what torch hashed into it: {part: [hash, value]}
     _holding: dict = field(default_factory=dict)  # (thread, cache kind) → the key whose lease it holds
 
     def stats(self) -> dict[str, int]:
@@ -115,6 +116,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
         backend = _EndpointSource(url)
         cache = FarmCache(_without_token(url), writes=bool(write))
     _record_loaded_kernels(cache)
+    _record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)
     _install_probes(cache, backend)
@@ -143,6 +145,9 @@ class _Source:
     def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None: ...  # index doc, value, files
     def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None: ...
 
+    def graph(self, gm: str) -> tuple[str, str, dict[str, list[str]]] | None:
+        return None  # (key, writer, parts) of a graph published under another key: through store= only
+
 
 class _StoreSource(_Source):
     def __init__(self, store: Any):
@@ -160,6 +165,14 @@ class _StoreSource(_Source):
 
     def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None:
         self.entries.put(key, value, self.writer, files, facts)
+
+    def note_graph(self, key: bytes, parts: dict[str, list[str]]) -> None:
+        """Which key this graph (its `gm` part) was last published under, and what went into it."""
+        self.entries.note_graph(parts["gm"][0], key, json.dumps(parts).encode(), self.writer)
+
+    def graph(self, gm: str) -> tuple[str, str, dict[str, list[str]]] | None:
+        found = self.entries.graph(gm)
+        return None if found is None else (found[0], found[1], json.loads(found[2]))
 
 
 class _EndpointSource(_Source):
@@ -209,6 +222,8 @@ def _backend_class() -> type:
 
 def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
     found = _checked(cache, source, key)
+    if found is None and kind_of_key(key) == FX_KIND:
+        _explain_miss(cache, source, key)
     if found is None and cache.leases is not None:
         found = _compile_once(cache, source, key)
     if found is None:
@@ -315,6 +330,8 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
     if kind_of_key(key) == FX_KIND and isinstance(source, _StoreSource):
         files, facts = _kernels(cache)
         _put_probes(cache, source)
+        if (parts := cache._parts.get(_fx_id(key))) is not None:
+            source.note_graph(key, parts)
     try:
         source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
     finally:
@@ -387,6 +404,62 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
             source.put(cache._probes_key, json.dumps(sorted(built)).encode(), _read(built), {})
     finally:
         cache.release(cache._probes_key)
+
+
+# why a miss: the farm has the same graph under another key
+_PART = re.compile(r"\[(\w+)\] ([^:\n]{1,200}): (.*)", re.DOTALL)
+KEPT_PARTS = 256  # keys whose parts a process keeps
+
+
+def _fx_id(key: bytes) -> str:
+    return key.decode("utf-8", "replace").removeprefix(f"pt2:{FX_KIND}::").removesuffix(":c1")
+
+
+def _record_key_parts(cache: FarmCache) -> None:
+    """What torch hashes into each FX graph key (its debug lines: the graph, each input's
+    metadata, each Inductor setting, the thread count, ...), kept by key."""
+    from torch._inductor import codecache
+
+    original = codecache.compiled_fx_graph_hash
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        key, lines = original(*args, **kwargs)
+        parts = {}
+        for line in lines:
+            if (m := _PART.match(line)) is not None:
+                parts[m.group(2)] = [m.group(1), " ".join(m.group(3).split())[:120]]
+        if "gm" in parts:
+            cache._parts[key] = parts
+            while len(cache._parts) > KEPT_PARTS:
+                cache._parts.pop(next(iter(cache._parts)))
+        return key, lines
+
+    codecache.compiled_fx_graph_hash = recording
+    cache._undo.append(lambda: setattr(codecache, "compiled_fx_graph_hash", original))
+
+
+def _explain_miss(cache: FarmCache, source: _Source, key: bytes) -> None:
+    """Where the farm has this very graph under another key (another setting, another input
+    shape, another thread count), say which parts of the key differ."""
+    ours = cache._parts.get(_fx_id(key))
+    if ours is None:
+        return
+    try:
+        found = source.graph(ours["gm"][0])
+    except Exception as e:  # noqa: BLE001 - only an explanation is lost
+        log.debug("farm cache: no explanation for the miss of %s (%s)", key[:80], e)
+        return
+    if found is None or found[0] == key.decode("utf-8", "replace"):
+        return
+    other, writer, theirs = found
+    differ = [p for p in sorted(set(ours) | set(theirs)) if ours.get(p, [None])[0] != theirs.get(p, [None])[0]]
+    shown = "; ".join(f"{p}: {ours.get(p, ['', 'absent'])[1]!r} here, {theirs.get(p, ['', 'absent'])[1]!r} there"
+                      for p in differ[:6])
+    more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
+    log.warning("farm cache: %s is not in the farm, which has this graph under %s (written by %s); their keys "
+                "differ in %s%s; this process compiles its own", key.decode("utf-8", "replace")[:80], other[:80],
+                writer, shown, more)
+    cache.count("misses_explained")
 
 
 def _record_loaded_kernels(cache: FarmCache) -> None:

@@ -39,6 +39,12 @@ def kind_of(key: bytes) -> str:
     return m.group(1).decode() if m else "other"
 
 
+def _graph_path(gm: str) -> str:
+    if not re.fullmatch(r"[a-z0-9]{8,128}", gm):
+        raise ValueError(f"not a part hash of torch's: {gm[:40]!r}")
+    return f"{PREFIX}graphs/{gm[:2]}/{gm}.json"
+
+
 def index_path(key: bytes) -> str:
     h = hashlib.sha256(key).hexdigest()
     return f"{PREFIX}{kind_of(key)}/{h[:2]}/{h}.json"
@@ -99,6 +105,25 @@ class CacheEntries:
         self.store.put_document(index_path(key), doc)
         self._count(kind_of(key), "writes")
         self._count(kind_of(key), "bytes_written", len(value))
+
+    def note_graph(self, gm: str, key: bytes, parts: bytes, writer: str) -> None:
+        """The key a graph (by the hash of its `gm` part in torch's key) was last published under,
+        and what went into that key (a blob), so that a client that misses it under another key
+        can say which part differs (use_farm_cache)."""
+        ref = self.store.put_bytes(parts)
+        self.store.put_document(_graph_path(gm), {"key": key.decode("utf-8", "surrogateescape"), "writer": writer,
+                                                  "parts": ref.to_dict()})
+
+    def graph(self, gm: str) -> tuple[str, str, bytes] | None:
+        """(key, writer, parts) of the graph's last publish, or None."""
+        try:
+            doc = self.store.get_document(_graph_path(gm))
+            if doc is None:
+                return None
+            return str(doc["key"]), str(doc.get("writer")), self.store.get_bytes(BlobRef.from_dict(doc["parts"]).digest)
+        except (StoreError, KeyError, TypeError, ValueError) as e:
+            log.warning("remote cache: graph %s unreadable: %s", gm[:16], e)
+            return None
 
     def files(self, doc: dict[str, Any]) -> dict[str, bytes]:
         """The files an entry names (its kernels), each checked against its digest; one that is

@@ -31,7 +31,7 @@ def main() -> None:
         from farm.client import use_farm_cache
 
         farm = use_farm_cache(store=os.environ.get("FARM_CACHE_STORE"), url=os.environ.get("FARM_CACHE_URL"),
-                              write=os.environ.get("FARM_CACHE_WRITE", "1") == "1")
+                              write=os.environ.get("FARM_CACHE_WRITE", "1") == "1", isa=os.environ.get("FARM_CACHE_ISA"))
     torch.manual_seed(0)
     net = Net()
     step = torch.compile(lambda x: net(x).square().mean())

@@ -161,6 +161,16 @@ def test_four_ranks_that_start_cold_at_once_compile_each_key_once(tmp_path):
     assert len(waited) == 3 and all(r["farm"]["waited_hits"] >= 1 and r["kernels_built"] == 0 for r in waited), \
         [r["farm"] for r in waited]
     assert len({r["grads"] for r in ranks}) == 1
+    # a rank with another setting (one OpenMP thread: Inductor keys its CPU graphs by the thread count)
+    import torch
+
+    theirs = torch.get_num_threads()  # what the ranks above ran with (this machine's default)
+    ours = 1 if theirs != 1 else 2
+    other = _jit_step(FARM_CACHE_STORE=store, OMP_NUM_THREADS=str(ours))
+    assert other["inductor"]["fxgraph_cache_miss"] == 2 and other["farm"]["misses_explained"] == 2
+    said = [line for line in other["stderr"].splitlines() if "is not in the farm" in line]
+    assert len(said) == 2 and all(f"differ in cpp_runtime_thread_count: '{ours}' here, '{theirs}' there" in line
+                                  for line in said), said
 
 
 def test_cache_serve_from_the_command_line_counts_what_it_served_in_metrics_and_cache_stats(tokens, tmp_path):
