@@ -98,6 +98,7 @@ class FarmScheduler:
         self._ended: collections.deque[JobRecord] = collections.deque(maxlen=ENDED_SHOWN)
         self._stopped = False
         self._halt = threading.Event()  # ends the inbox's watch
+        self.cache, self.cache_error = None, None  # `farm serve --cache-port`: started below
         self.resumed = []
         for record in self.records.all():
             if record.active:
@@ -112,7 +113,6 @@ class FarmScheduler:
         self._inbox_poll_s = config.inbox_poll_s if config.inbox_poll_s is not None else 0.05 if local else 0.5
         self._inbox_thread = threading.Thread(target=self._watch_inbox, name="farm inbox", daemon=True)
         self._inbox_thread.start()
-        self.cache, self.cache_error = None, None
         if config.cache is not None:
             try:
                 self.cache = _start_cache(self.store, config.cache, cache_secrets)
@@ -211,6 +211,8 @@ class FarmScheduler:
 
     def _named_load(self) -> dict[str, Any]:
         load = self.pool.load()
+        if self.cache is not None:
+            load["remote_cache"] = self.cache.entries.stats()
         with self._lock:
             names = {j: r.name for j, r in self._active.items()}
         for job_id, job in load["jobs"].items():

@@ -1,6 +1,6 @@
 """A farm service's metrics, through `ray.util.metrics` like the rest (scheduler/ray_observe.py):
-queue wait per unit by priority, queued and running units per job (by name) and priority, and
-the shared pool's workers by state. The Grafana panel: infra/grafana/farm-service.json."""
+queue wait per unit by priority, queued and running units per job (by name) and priority, the
+shared pool's workers by state, and what its PyTorch remote caches served, by cache kind. The Grafana panel: infra/grafana/farm-service.json."""
 from __future__ import annotations
 
 import threading
@@ -24,6 +24,9 @@ def _metrics() -> dict[str, Any]:
                         tag_keys=("state", "job", "priority")),
             workers=Gauge("farm_service_workers", "a farm service's shared workers: busy, idle or starting",
                           tag_keys=("state",)),
+            cache=Gauge("farm_remote_cache", "a farm service's PyTorch remote caches (farm serve --cache-port), since "
+                        "it started: hits, misses, refused, writes, bytes_read, bytes_written, by cache kind",
+                        tag_keys=("kind", "what")),
         )
     return _METRICS
 
@@ -59,6 +62,9 @@ class ServiceMetrics:
         m = _metrics()
         for state, n in load["workers"].items():
             m["workers"].set(n, tags={"state": state})
+        for kind, counts in load.get("remote_cache", {}).items():
+            for what, n in counts.items():
+                m["cache"].set(n, tags={"kind": kind, "what": what})
         now = time.monotonic()
         counts: dict[tuple[str, str], dict[str, int]] = {}
         for job in load["jobs"].values():

@@ -280,8 +280,12 @@ def test_the_services_metrics_reach_prometheus_and_its_dashboard_names_only_them
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "infra" / "grafana" / "farm-service.json").read_text())
     named = {re.sub(r"_bucket$", "", m) for p in dashboard["panels"] for t in p["targets"]
              for m in re.findall(r"\b(ray_\w+)", t["expr"])}
-    wanted = {"ray_farm_queue_wait_seconds", "ray_farm_service_units", "ray_farm_service_workers"}
+    wanted = {"ray_farm_queue_wait_seconds", "ray_farm_service_units", "ray_farm_service_workers", "ray_farm_remote_cache"}
     assert named == wanted
+    import redis
+
+    where = call(find_service(), "ping")["cache"].rsplit("@", 1)[1]  # something for the cache's series to count
+    redis.Redis.from_url(f"redis://alice:{CACHE_READER}@{where}").get("pt2:fx-graph-v1::metrics:c1")
     deadline, seen = time.monotonic() + 60, set()
     while not wanted <= seen and time.monotonic() < deadline:
         for url in ray_cluster.metrics:
