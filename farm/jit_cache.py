@@ -13,9 +13,14 @@ stock torch against Redis, it:
   document is unsigned or wrongly signed is refused (a miss, logged with its key); every value
   and kernel is checked against the digest that document names;
 - ships the compiled CPU kernels with each FX graph entry it writes (the kernels this process
-  loaded so far, by their path under Inductor's cache dir, and the ISA probe), and puts them in
-  place before torch reads an entry, so a hit runs no g++ where the build command is the
-  writer's (checked; another one is logged once and compiles as before);
+  loaded so far, by their path under Inductor's cache dir: farm/jit_kernels.py) and Inductor's
+  ISA probes in an entry per toolchain, and puts them in place before torch looks, so a hit
+  runs no g++ where the build command is the writer's (checked; another one is logged once and
+  compiles as before);
+- makes ranks compile once: a writer that misses takes a lease on the key in the store while
+  torch compiles it, and others wait for the entry (bounded; a dead holder is taken over);
+- says why a graph the farm has under another key missed: which parts of torch's key differ
+  (farm/jit_keys.py);
 - with `isa=`, pins Inductor's CPU code to that ISA (as the farm's own targets do), so every
   machine of a fleet keys, builds and finds the same entries.
 
@@ -35,12 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from farm.jit_kernels import PROBE_PATH, install_kernels, loaded_kernels, read_files, record_loaded_kernels
+from farm.jit_keys import FX_KIND, explain_miss, fx_id, record_key_parts
+
 log = logging.getLogger(__name__)
 
-FX_KIND = "fx-graph-v1"
-# Inductor's kernels under its cache dir, as workers/backends/kernels.py names them
-KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")
-PROBE_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.so")  # an ISA probe: not a kernel's .main.so
 LEASE_TTL_S = 30.0  # a holder renews every ttl/4; one silent this long is taken over
 LEASE_POLL_S = 0.25  # how often a waiter looks for the entry
 CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache", "RemoteBundledAutotuneCache")
@@ -115,8 +119,8 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     else:
         backend = _EndpointSource(url)
         cache = FarmCache(_without_token(url), writes=bool(write))
-    _record_loaded_kernels(cache)
-    _record_key_parts(cache)
+    record_loaded_kernels(cache)
+    record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)
     _install_probes(cache, backend)
@@ -223,14 +227,14 @@ def _backend_class() -> type:
 def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
     found = _checked(cache, source, key)
     if found is None and kind_of_key(key) == FX_KIND:
-        _explain_miss(cache, source, key)
+        explain_miss(cache, source, key)
     if found is None and cache.leases is not None:
         found = _compile_once(cache, source, key)
     if found is None:
         return None
     value, files, facts = found
     if files:
-        cache.count("kernels_installed", _install(cache, files, facts))
+        cache.count("kernels_installed", install_kernels(cache, files, facts))
     cache.count("hits")
     return value
 
@@ -308,53 +312,21 @@ def _problem(key: bytes, raw: bytes, value: bytes, trust: Any) -> str | None:
     return None
 
 
-def _install(cache: FarmCache, files: dict[str, bytes], facts: dict[str, Any]) -> int:
-    from workers.backends import kernels
-
-    recorded = facts.get("build_command")
-    problem = kernels.build_problem(recorded) if recorded else "the entry does not say how its kernels were built"
-    if problem:
-        if not cache._build_problem_said:
-            log.warning("farm cache: its kernels are not used here: %s", problem)
-            cache._build_problem_said = True
-        return 0
-    safe = {name: data for name, data in files.items() if KERNEL_PATH.fullmatch(name) and ".." not in name}
-    return kernels.install(safe)
-
-
 def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
     if not cache.writes:
         return
     files: dict[str, bytes] = {}
     facts: dict[str, Any] = {}
     if kind_of_key(key) == FX_KIND and isinstance(source, _StoreSource):
-        files, facts = _kernels(cache)
+        files, facts = loaded_kernels(cache)
         _put_probes(cache, source)
-        if (parts := cache._parts.get(_fx_id(key))) is not None:
+        if (parts := cache._parts.get(fx_id(key))) is not None:
             source.note_graph(key, parts)
     try:
         source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
     finally:
         cache.release(key)  # published (or not: then the next claimant compiles it)
     cache.count("writes")
-
-
-def _kernels(cache: FarmCache) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Every kernel this process has loaded (the entry's among them; a kernel shared with an
-    earlier graph is loaded once), with the build command they need."""
-    from workers.backends import kernels
-
-    return _read(cache._loaded), {"build_command": kernels.build_command()}
-
-
-def _read(paths: dict[str, str]) -> dict[str, bytes]:
-    files = {}
-    for name, path in paths.items():
-        try:
-            files[name] = Path(path).read_bytes()
-        except OSError:
-            continue  # removed meanwhile: the reader builds that one
-    return files
 
 
 # Inductor's ISA probes: built before its first cache lookup (the key names the vector ISA), so a
@@ -401,82 +373,9 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
         p.relative_to(root).as_posix())}
     try:
         if built:
-            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), _read(built), {})
+            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), read_files(built), {})
     finally:
         cache.release(cache._probes_key)
-
-
-# why a miss: the farm has the same graph under another key
-_PART = re.compile(r"\[(\w+)\] ([^:\n]{1,200}): (.*)", re.DOTALL)
-KEPT_PARTS = 256  # keys whose parts a process keeps
-
-
-def _fx_id(key: bytes) -> str:
-    return key.decode("utf-8", "replace").removeprefix(f"pt2:{FX_KIND}::").removesuffix(":c1")
-
-
-def _record_key_parts(cache: FarmCache) -> None:
-    """What torch hashes into each FX graph key (its debug lines: the graph, each input's
-    metadata, each Inductor setting, the thread count, ...), kept by key."""
-    from torch._inductor import codecache
-
-    original = codecache.compiled_fx_graph_hash
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        key, lines = original(*args, **kwargs)
-        parts = {}
-        for line in lines:
-            if (m := _PART.match(line)) is not None:
-                parts[m.group(2)] = [m.group(1), " ".join(m.group(3).split())[:120]]
-        if "gm" in parts:
-            cache._parts[key] = parts
-            while len(cache._parts) > KEPT_PARTS:
-                cache._parts.pop(next(iter(cache._parts)))
-        return key, lines
-
-    codecache.compiled_fx_graph_hash = recording
-    cache._undo.append(lambda: setattr(codecache, "compiled_fx_graph_hash", original))
-
-
-def _explain_miss(cache: FarmCache, source: _Source, key: bytes) -> None:
-    """Where the farm has this very graph under another key (another setting, another input
-    shape, another thread count), say which parts of the key differ."""
-    ours = cache._parts.get(_fx_id(key))
-    if ours is None:
-        return
-    try:
-        found = source.graph(ours["gm"][0])
-    except Exception as e:  # noqa: BLE001 - only an explanation is lost
-        log.debug("farm cache: no explanation for the miss of %s (%s)", key[:80], e)
-        return
-    if found is None or found[0] == key.decode("utf-8", "replace"):
-        return
-    other, writer, theirs = found
-    differ = [p for p in sorted(set(ours) | set(theirs)) if ours.get(p, [None])[0] != theirs.get(p, [None])[0]]
-    shown = "; ".join(f"{p}: {ours.get(p, ['', 'absent'])[1]!r} here, {theirs.get(p, ['', 'absent'])[1]!r} there"
-                      for p in differ[:6])
-    more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
-    log.warning("farm cache: %s is not in the farm, which has this graph under %s (written by %s); their keys "
-                "differ in %s%s; this process compiles its own", key.decode("utf-8", "replace")[:80], other[:80],
-                writer, shown, more)
-    cache.count("misses_explained")
-
-
-def _record_loaded_kernels(cache: FarmCache) -> None:
-    from torch._inductor.codecache import CppCodeCache
-
-    from workers.backends import kernels
-
-    original = CppCodeCache._load_library.__func__  # type: ignore[attr-defined]
-
-    def recording(cls: Any, path: str, key: str) -> Any:
-        loaded = original(cls, path, key)
-        if (name := kernels.relative(path)) is not None:
-            cache._loaded[name] = path
-        return loaded
-
-    CppCodeCache._load_library = classmethod(recording)  # type: ignore[method-assign]
-    cache._undo.append(lambda: setattr(CppCodeCache, "_load_library", classmethod(original)))
 
 
 def _pin_isa(cache: FarmCache, isa: str) -> None:
