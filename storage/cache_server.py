@@ -170,7 +170,12 @@ class CacheServer:
                     break
                 if args is None:
                     break
-                reply, done = await self._answer(args, session)
+                try:
+                    reply, done = await self._answer(args, session)
+                except Exception as e:  # noqa: BLE001 - a bug or a store error here ends this client, not the server
+                    log.exception("cache-serve: %s failed", args[0][:20])
+                    writer.write(resp.error(f"ERR the farm cache failed ({type(e).__name__}); see its log"))
+                    break
                 writer.write(reply)
                 await writer.drain()
                 if done:
