@@ -24,8 +24,8 @@ stock torch against Redis, it:
 - with `isa=`, pins Inductor's CPU code to that ISA (as the farm's own targets do), so every
   machine of a fleet keys, builds and finds the same entries.
 
-Readers through `url=` need a `read` token of `farm cache-serve`; writers ship kernels only
-through `store=` (CI and the farm's workers hold the store's credentials anyway).
+Readers through `url=` need a `read` token of `farm cache-serve`, writers a `write` token (their
+kernels travel with FARM.PUT). Ranks compiling once, and the explanation of a miss, need `store=`.
 """
 from __future__ import annotations
 
@@ -193,7 +193,11 @@ class _EndpointSource(_Source):
         return raw, value, {name.decode(): data for name, data in files}
 
     def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None:
-        self.client.set(key, value)
+        if not files:
+            self.client.set(key, value)
+            return
+        named = [part for name, data in sorted(files.items()) for part in (name.encode(), data)]
+        self.client.execute_command("FARM.PUT", key, value, json.dumps(facts).encode(), *named)
 
 
 # torch's side -------------------------------------------------------------------------
@@ -317,10 +321,10 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
         return
     files: dict[str, bytes] = {}
     facts: dict[str, Any] = {}
-    if kind_of_key(key) == FX_KIND and isinstance(source, _StoreSource):
+    if kind_of_key(key) == FX_KIND:
         files, facts = loaded_kernels(cache)
         _put_probes(cache, source)
-        if (parts := cache._parts.get(fx_id(key))) is not None:
+        if isinstance(source, _StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
             source.note_graph(key, parts)
     try:
         source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on

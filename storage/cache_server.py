@@ -3,7 +3,7 @@ remote caches (torch/_inductor/remote_cache.py's RedisRemoteCacheBackend, throug
 PING, AUTH, HELLO (protocol 2, and 3 for redis-py 8), QUIT, SELECT 0, CLIENT SETNAME/SETINFO,
 GET and SET; and for `farm.client.use_farm_cache`, FARM.ENTRY key: the entry's index document
 as stored (with its signature, which that client checks), its value, and the compiled kernels it
-names. Values live in the store (storage/remote_cache.py); who may read or write, in a tokens
+names; and FARM.PUT key value facts [name data]...: a writer's SET with those kernels. Values live in the store (storage/remote_cache.py); who may read or write, in a tokens
 file (storage/cache_tokens.py).
 
 Every client is hostile until it has authenticated: before AUTH it may send only requests of a
@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as dt
+import json
 import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -36,6 +38,8 @@ ANON_IDLE_S = 30.0
 AUTH_TRIES = 3
 STORE_THREADS = 16
 STREAM_LIMIT = 1 << 16  # the stream's buffer for header lines (resp.Limits bounds them far lower)
+FARM_PUT_ARGS = 2 * 1024 + 4  # FARM.PUT key value facts, and up to 1024 named files
+FILE_NAME = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}(\.main)?\.so")  # Inductor's kernels and ISA probes
 STATS_EVERY_S = 10.0  # how often a server's counts reach the store, when they changed
 VERSION = "7.0.0"  # what HELLO says it is: the protocol torch and redis-py expect of a Redis 7
 
@@ -71,9 +75,10 @@ class CacheServer:
     _open: dict = field(default_factory=dict)  # each client's task → its writer: cut off as the server stops
 
     def _limits(self, session: _Session) -> resp.Limits:
-        """Only a writer may send a value; everyone else, requests of a few KiB."""
+        """Only a writer may send a value (and, with FARM.PUT, the kernels beside it: as many
+        bytes again); everyone else, requests of a few KiB."""
         if session.user is not None and session.user.writes:
-            return resp.Limits(arg_bytes=self.max_value_bytes)
+            return resp.Limits(args=FARM_PUT_ARGS, arg_bytes=self.max_value_bytes, total_bytes=2 * self.max_value_bytes)
         return _SMALL
 
     # running ------------------------------------------------------------------------
@@ -210,6 +215,8 @@ class CacheServer:
             return resp.bulk(value, session.proto), False
         if command == b"SET" and len(args) >= 3:
             return await self._set(args[1:], session)
+        if command == b"FARM.PUT" and len(args) >= 4 and len(args) % 2 == 0:  # key value facts (name data)...
+            return await self._farm_put(args[1:], session)
         if command == b"FARM.ENTRY" and len(args) == 2:  # use_farm_cache: the signed index document too
             found = await self._store(self.entries.entry, args[1])
             if found is None:
@@ -284,6 +291,30 @@ class CacheServer:
             await self._store(self.entries.put, key, value, user.name)
         except StoreError as e:
             log.warning("cache-serve: a SET of %d bytes not stored: %s", len(value), e)
+            return resp.error(f"ERR the farm store refused the write: {e}"), False
+        return resp.simple("OK"), False
+
+    async def _farm_put(self, args: list[bytes], session: _Session) -> tuple[bytes, bool]:
+        """use_farm_cache's SET: the value, what it was built with (JSON), and the compiled files a
+        reader needs beside it (kernels, ISA probes), named as Inductor names them."""
+        key, value, facts_json, rest = args[0], args[1], args[2], args[3:]
+        if not session.user.writes:
+            self.entries.count_refused(key)
+            return resp.error(f"NOPERM User {session.user.name} has no permissions to run the 'farm.put' command "
+                              f"(its role is read)"), False
+        names = [n.decode("utf-8", "replace") for n in rest[0::2]]
+        bad = [n for n in names if not FILE_NAME.fullmatch(n)]
+        try:
+            facts = json.loads(facts_json)
+        except ValueError:
+            facts = None
+        if bad or not isinstance(facts, dict):
+            self.entries.count_refused(key)
+            what = f"file names that are not Inductor's ({bad[0][:60]!r})" if bad else "facts that are not a JSON object"
+            return resp.error(f"ERR FARM.PUT with {what}"), False
+        try:
+            await self._store(self.entries.put, key, value, session.user.name, dict(zip(names, rest[1::2])), facts)
+        except StoreError as e:
             return resp.error(f"ERR the farm store refused the write: {e}"), False
         return resp.simple("OK"), False
 

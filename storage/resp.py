@@ -26,6 +26,7 @@ class Limits:
     line_bytes: int = 1024  # a `*<n>` or `$<n>` header line
     args: int = 16  # elements of one request (SET key value EX 60 ... fits)
     arg_bytes: int = 64 << 20  # one bulk string: a value; set from the server's value limit
+    total_bytes: int = 64 << 20  # all of one request's bulk strings together
 
 
 async def read_request(reader: asyncio.StreamReader, limits: Limits) -> list[bytes] | None:
@@ -43,12 +44,16 @@ async def read_request(reader: asyncio.StreamReader, limits: Limits) -> list[byt
     if not header.startswith(b"*"):
         raise ProtocolError("expected an array of bulk strings ('*'); inline commands are not served")
     count = _length(header, limits.args, "an array")
-    args = []
+    args: list[bytes] = []
+    total = 0
     for _ in range(count):
         line = await _line(reader, limits)
         if not line.startswith(b"$"):
             raise ProtocolError("expected a bulk string ('$') in the request's array")
         size = _length(line, limits.arg_bytes, "a bulk string")
+        total += size
+        if total > limits.total_bytes:
+            raise ProtocolError(f"a request of more than {limits.total_bytes} bytes is over the limit")
         try:
             data = await reader.readexactly(size + 2)
         except asyncio.IncompleteReadError:

@@ -112,19 +112,21 @@ def _beside_a_real_redis() -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_entries(tokens, tmp_path):
+def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_entries(tokens, tmp_path, monkeypatch):
     from storage.signing import keygen
 
     signing, verify = keygen(tmp_path / "keys")
     store = str(tmp_path / "store")
-    cold = _jit_step(FARM_CACHE_STORE=store, FARM_SIGNING_KEY=str(signing))  # CI: a writer with the store
-    assert cold["kernels_built"] > 0 and cold["farm"]["writes"] == 3 and cold["farm"].get("hits", 0) == 0
+    monkeypatch.setenv("FARM_SIGNING_KEY", str(signing))  # the endpoint signs what its writers put
     server = _serve(store, tokens)
-    try:  # a training job: a reader token of cache-serve, the farm's public key
-        warm = _jit_step(FARM_CACHE_URL=f"redis://alice:{READER}@127.0.0.1:{server.port}", FARM_CACHE_WRITE="0",
-                         FARM_VERIFY_KEY=str(verify))
+    monkeypatch.delenv("FARM_SIGNING_KEY")
+    url = f"redis://{{}}@127.0.0.1:{server.port}"
+    try:  # CI with a write token, then a training job with a read token and the farm's public key
+        cold = _jit_step(FARM_CACHE_URL=url.format(f"ci:{WRITER}"), FARM_CACHE_WRITE="1")
+        warm = _jit_step(FARM_CACHE_URL=url.format(f"alice:{READER}"), FARM_CACHE_WRITE="0", FARM_VERIFY_KEY=str(verify))
     finally:
         server.stop()
+    assert cold["kernels_built"] > 0 and cold["farm"]["writes"] == 3 and cold["farm"].get("hits", 0) == 0
     assert warm["kernels_built"] == 0 and warm["grads"] == cold["grads"], warm  # no g++ at all: kernels and probes shipped
     assert warm["inductor"].get("fxgraph_cache_hit") == 2 and warm["aot_autograd"].get("autograd_cache_hit") == 1
     assert warm["farm"]["hits"] == 3 and warm["farm"]["kernels_installed"] > 0 and warm["farm"]["probes_installed"] > 0
@@ -263,6 +265,8 @@ def test_hostile_clients_get_an_error_or_are_closed_and_the_server_serves_on(tok
         assert r.reply().startswith(b"-NOPERM")
         r.send(b"FLUSHALL")
         assert r.reply().startswith(b"-ERR unknown command 'FLUSHALL'")
+        r.send(b"FARM.PUT", key, b"v", b"{}")
+        assert r.reply().startswith(b"-NOPERM")
 
         w = _Client(server.port)
         w.send(b"AUTH", b"ci", WRITER.encode())
@@ -280,13 +284,15 @@ def test_hostile_clients_get_an_error_or_are_closed_and_the_server_serves_on(tok
         assert good.reply() == b"+OK\r\n"
         good.send(b"GET", key)
         assert good.reply() == b"$-1\r\n"
+        good.send(b"FARM.PUT", key, b"value", b"{}", b"../../etc/evil.so", b"\x7fELF")  # a kernel's name escaping
+        assert good.reply().startswith(b"-ERR FARM.PUT with file names that are not Inductor's")
         good.send(b"SET", key, b"value")
         assert good.reply() == b"+OK\r\n"
         r.send(b"GET", key)
         assert r.reply() == b"$5\r\nvalue\r\n"
     finally:
         server.stop()
-    assert server.entries.stats()["fx-graph-v1"]["refused"] == 1  # the reader's SET
+    assert server.entries.stats()["fx-graph-v1"]["refused"] == 3  # the reader's SET and FARM.PUT, the bad name
 
 
 def test_the_request_parser_bounds_what_it_reads_and_raises_only_protocol_errors():
