@@ -1,10 +1,11 @@
 """`farm cache-serve`: the farm's store behind enough of the Redis protocol for PyTorch's own
 remote caches (torch/_inductor/remote_cache.py's RedisRemoteCacheBackend, through redis-py):
 PING, AUTH, HELLO (protocol 2, and 3 for redis-py 8), QUIT, SELECT 0, CLIENT SETNAME/SETINFO,
-GET and SET; and for `farm.client.use_farm_cache`, FARM.ENTRY key: the entry's index document
-as stored (with its signature, which that client checks), its value, and the compiled kernels it
-names; and FARM.PUT key value facts [name data]...: a writer's SET with those kernels. Values live in the store (storage/remote_cache.py); who may read or write, in a tokens
-file (storage/cache_tokens.py).
+GET and SET; and for `farm.client.use_farm_cache`, FARM.ENTRY key (the entry's index document
+as stored, with its signature, which that client checks; its value; the compiled kernels it
+names) and FARM.PUT key value facts [name data]... (a writer's SET with those kernels). Values
+live in the store (storage/remote_cache.py); who may read or write, in a tokens file
+(storage/cache_tokens.py).
 
 Every client is hostile until it has authenticated: before AUTH it may send only requests of a
 few KiB, it is closed after 30 s idle or three wrong tokens, and at most `max_clients` are
