@@ -47,7 +47,11 @@ def cache_serve(
     server = CacheServer(CacheEntries(open_store(store)), users, host=host, port=port,
                          max_value_bytes=int(max_value_mb * (1 << 20)), tls=tls)
     if metrics_port is not None:
-        _serve_metrics(server, metrics_port)
+        try:
+            _serve_metrics(server, metrics_port)
+        except OSError as e:
+            raise fail(f"cannot serve metrics on 127.0.0.1:{metrics_port}: {e.strerror or e}; choose another "
+                       f"--metrics-port") from e
     scheme = "rediss" if tls else "redis"
     console.print(f"farm cache-serve: {store} on {scheme}://NAME:TOKEN@{host}:{port} for {len(users)} users "
                   f"(tokens: {tokens}); Ctrl-C stops")
