@@ -12,13 +12,7 @@ Between jobs a worker's sandbox child is renewed (CompileWorker.rest, called whe
 and before a unit of another job): no child serves two jobs, and the next one is warm.
 
 A person's unit must not wait for a nightly's to end: beside a CPU class's workers the pool keeps
-`burst_workers` more, warm, that serve only interactive units, and only while every worker of the
-class is busy and one of them with a lower class's unit. They take no CPU of Ray's (placed on a
-node that offers the class), and the kernel gives them the CPU: lower classes' sandbox children
-run niced (scheduler/fair.py, NICENESS). So an interactive unit starts at once, on a warm worker,
-and compiles at nearly its speed alone; the nightly loses only the CPU it uses. A burst worker
-stops with the last worker of its class; one that cannot be started is not tried again for
-BURST_RETRY_S (its class then waits as it would without).
+burst workers for interactive units (scheduler/burst.py).
 
 A gang needs whole placement groups: `hold(cpus)` lowers the pool's size while it places and
 runs, so workers over it stop as soon as their unit ends (an idle one at once) and Ray can
@@ -41,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 from ray.exceptions import RayTaskError
 
+from scheduler.burst import BurstWorkers
 from scheduler.fair import NICENESS, FairShare
 from scheduler.gang_warm import WarmRanks
 from scheduler import pool
@@ -51,8 +46,6 @@ from workers.unit import Unit, UnitLimits, UnitResult
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # how often results are awaited while a worker is free for new units
-BURST_CLASS = "interactive"  # the class burst workers serve
-BURST_RETRY_S = 60.0  # after a burst worker failed to start, its class gets none for this long
 
 
 @dataclass(eq=False)  # a slot is itself: two idle ones must never compare equal (list.remove)
@@ -62,7 +55,7 @@ class _Slot(pool._Slot):
     idle_since: float = field(default_factory=time.monotonic)
     rested: bool = True  # its child serves no job yet (renewed since its last unit)
     leaving: bool = False  # stops when its unit ends (the pool shrank under it)
-    burst: bool = False  # beyond the pool's CPUs, for interactive units (see the module's doc)
+    burst: bool = False  # beyond the pool's CPUs, for interactive units (scheduler/burst.py)
 
     @property
     def name(self) -> str:
@@ -92,8 +85,10 @@ class _Job:
     total: int = 0
 
 
-class SharedPool:
+class SharedPool(BurstWorkers):
     """Units of many jobs in; each job's events and results out through its own outbox."""
+
+    slot_class = _Slot  # what BurstWorkers starts its slots as
 
     def __init__(self, cluster: Cluster, store_uri: str, config: ServiceConfig = ServiceConfig(),
                  on_start: Callable[[str, str, str, float], None] | None = None):
@@ -381,40 +376,6 @@ class SharedPool:
         job.outbox.put(("started", p.unit, None))
         self._on_start(p.job, p.unit.unit_id, job.priority, now - p.queued_at)
 
-    def _burst(self, now: float) -> None:
-        """Burst workers (see the module's doc): kept warm beside a CPU class's workers for as long
-        as it has any, serving interactive units only while the class is busy with a lower one."""
-        for resource, (placement, _, _) in self._placements.items():
-            workers = [s for s in self.slots if s.resource == resource and not s.burst]
-            bursts = [s for s in self.slots if s.resource == resource and s.burst]
-            busy = self._busy_below(resource)
-            for slot in [s for s in bursts if s.free]:
-                p = self._take(slot, BURST_CLASS) if busy else None
-                if p is not None:
-                    self._dispatch(slot, p, now)
-                elif not workers:
-                    self._retire(slot)
-                elif not slot.rested:
-                    self.cluster.rest(slot.actor)
-                    slot.rested = True
-            if workers and placement.gpus == 0 and len(bursts) < self.config.burst_workers and \
-                    now >= self._burst_after.get(resource, 0.0):
-                slot = _Slot(resource, self._next_index, burst=True)
-                self._next_index += 1
-                try:
-                    self._start(slot, resource)
-                except Exception as e:  # noqa: BLE001 - no node for it now: the class waits as it would without
-                    log.warning("farm shared pool: no burst worker for %s (%s)", resource, e)
-                    self._burst_after[resource] = now + BURST_RETRY_S
-                    continue
-                self.slots.append(slot)
-
-    def _busy_below(self, resource: str) -> bool:
-        """Every worker of the class runs a unit, and one of them a unit of a class below interactive."""
-        workers = [s for s in self.slots if s.resource == resource and not s.burst]
-        return bool(workers) and all(s.future is not None for s in workers) and \
-            any(self._priority(s.job) != BURST_CLASS for s in workers)
-
     def _priority(self, job_id: str | None) -> str | None:
         job = self.jobs.get(job_id) if job_id is not None else None
         return job.priority if job is not None else None
@@ -456,10 +417,8 @@ class SharedPool:
                     slot.ready, slot.idle_since = None, time.monotonic()
                     self._failed_starts[slot.resource] = 0
                 except DIED as e:
-                    if slot.burst:  # its class waits as it would without one; no other try for a while
-                        log.warning("farm shared pool: burst worker for %s did not start (%s)", slot.resource, e)
-                        self._burst_after[slot.resource] = time.monotonic() + BURST_RETRY_S
-                        self._retire(slot)
+                    if slot.burst:
+                        self._burst_failed(slot, e)
                         continue
                     self._failed_starts[slot.resource] += 1
                     if self._failed_starts[slot.resource] < self.config.start_attempts:
