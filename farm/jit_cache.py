@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from farm.jit_kernels import PROBE_PATH, install_kernels, loaded_kernels, read_files, record_loaded_kernels
+from farm.jit_kernels import PROBE_PATH, install_kernels, read_files, record_loaded_kernels
 from farm.jit_keys import FX_KIND, explain_miss, fx_id, record_key_parts
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class FarmCache:
     wait_s: float = 3600.0
     _held: dict = field(default_factory=dict)  # key → the lease this process holds while torch compiles it
     _parts: dict = field(default_factory=dict)  # FX key → what torch hashed into it: {part: [hash, value]}
+    trust: Any = None  # storage.signing.Trust from this process's environment, read once (FARM_VERIFY_KEY)
+    _build_command: list[str] | None = None
     _holding: dict = field(default_factory=dict)  # (thread, cache kind) → the key whose lease it holds
 
     def stats(self) -> dict[str, int]:
@@ -84,6 +86,15 @@ class FarmCache:
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
+
+    def build_command(self) -> list[str]:
+        """How this process builds Inductor's CPU kernels (what a reader of its entries checks),
+        asked once: the ISA is pinned, if at all, as use_farm_cache starts."""
+        if self._build_command is None:
+            from workers.backends import kernels
+
+            self._build_command = kernels.build_command()
+        return self._build_command
 
 
 def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | None = None,
@@ -119,6 +130,9 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     else:
         backend = _EndpointSource(url)
         cache = FarmCache(_without_token(url), writes=bool(write))
+    from storage.signing import Trust
+
+    cache.trust = Trust.from_env()
     record_loaded_kernels(cache)
     record_key_parts(cache)
     if isa is not None:
@@ -147,7 +161,8 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
 # where entries come from ------------------------------------------------------------
 class _Source:
     def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None: ...  # index doc, value, files
-    def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None: ...
+    # files: name under Inductor's cache dir -> this process's path of it
+    def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None: ...
 
     def graph(self, gm: str) -> tuple[str, str, dict[str, list[str]]] | None:
         return None  # (key, writer, parts) of a graph published under another key: through store= only
@@ -159,7 +174,7 @@ class _StoreSource(_Source):
 
         self.entries = CacheEntries(store)
         self.writer = f"use_farm_cache@{os.uname().nodename}"
-
+        self._put_files: dict[str, Any] = {}  # name -> its blob: each FX entry names every kernel loaded so far
     def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
         found = self.entries.entry(key, verify=False)  # checked by `_problem`, which says what it refused
         if found is None:
@@ -167,8 +182,12 @@ class _StoreSource(_Source):
         raw, doc, value = found
         return raw, value, self.entries.files(doc)
 
-    def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None:
-        self.entries.put(key, value, self.writer, files, facts)
+    def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None:
+        """A file is read and uploaded once per process (its name is its content's hash), however
+        many later entries name it."""
+        new = read_files({n: p for n, p in files.items() if n not in self._put_files})
+        self._put_files.update((n, self.entries.store.put_bytes(data)) for n, data in new.items())
+        self.entries.put(key, value, self.writer, {n: self._put_files[n] for n in files if n in self._put_files}, facts)
 
     def note_graph(self, key: bytes, parts: dict[str, list[str]]) -> None:
         """Which key this graph (its `gm` part) was last published under, and what went into it."""
@@ -192,11 +211,11 @@ class _EndpointSource(_Source):
         raw, value, files = reply
         return raw, value, {name.decode(): data for name, data in files}
 
-    def put(self, key: bytes, value: bytes, files: dict[str, bytes], facts: dict[str, Any]) -> None:
+    def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None:
         if not files:
             self.client.set(key, value)
             return
-        named = [part for name, data in sorted(files.items()) for part in (name.encode(), data)]
+        named = [part for name, data in sorted(read_files(files).items()) for part in (name.encode(), data)]
         self.client.execute_command("FARM.PUT", key, value, json.dumps(facts).encode(), *named)
 
 
@@ -277,8 +296,6 @@ def _checked(cache: FarmCache, source: _Source, key: bytes,
              quiet: bool = False) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
     """(value, files, facts) of an entry that passed `_problem`; None for a miss or a refusal
     (`quiet`: a miss is not counted, as while waiting on a lease)."""
-    from storage.signing import Trust
-
     try:
         found = source.entry(key)
     except Exception as e:  # noqa: BLE001 - a cache that cannot answer is a miss; torch compiles
@@ -291,7 +308,7 @@ def _checked(cache: FarmCache, source: _Source, key: bytes,
             cache.count("misses")
         return None
     raw, value, files = found
-    problem = _problem(key, raw, value, Trust.from_env())
+    problem = _problem(key, raw, value, cache.trust)
     if problem:
         log.warning("farm cache: refused %s: %s; compiling it here", key.decode("utf-8", "replace")[:120], problem)
         cache.count("refused")
@@ -319,10 +336,10 @@ def _problem(key: bytes, raw: bytes, value: bytes, trust: Any) -> str | None:
 def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
     if not cache.writes:
         return
-    files: dict[str, bytes] = {}
+    files: dict[str, str] = {}
     facts: dict[str, Any] = {}
     if kind_of_key(key) == FX_KIND:
-        files, facts = loaded_kernels(cache)
+        files, facts = dict(cache._loaded), {"build_command": cache.build_command()}
         _put_probes(cache, source)
         if isinstance(source, _StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
             source.note_graph(key, parts)
@@ -377,7 +394,7 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
         p.relative_to(root).as_posix())}
     try:
         if built:
-            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), read_files(built), {})
+            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), built, {})
     finally:
         cache.release(cache._probes_key)
 

@@ -50,14 +50,6 @@ def install_kernels(cache: Any, files: dict[str, bytes], facts: dict[str, Any]) 
     return kernels.install(safe)
 
 
-def loaded_kernels(cache: Any) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Every kernel this process has loaded (the entry's among them; a kernel shared with an
-    earlier graph is loaded once), with the build command they need."""
-    from workers.backends import kernels
-
-    return read_files(cache._loaded), {"build_command": kernels.build_command()}
-
-
 def read_files(paths: dict[str, str]) -> dict[str, bytes]:
     files = {}
     for name, path in paths.items():

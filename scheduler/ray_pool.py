@@ -4,7 +4,8 @@ scheduler/ray_actors.py and scheduler/gang_actor.py).
 The worker pool (scheduler/pool.py) runs on Ray through `RayCluster`: one `CompileWorker`
 actor per slot, asking Ray for what its backend's `Placement` says (CPUs, a share of a GPU,
 its device class). Gangs get a placement group and one `GangMember` actor per rank
-(`GangRunner`; in a farm service, warm ones beside the bundles: scheduler/gang_warm.py). Joining or starting a cluster is `ray_session`'s.
+(`GangRunner`; in a farm service, warm ones beside the bundles: scheduler/gang_warm.py).
+Joining or starting a cluster is `ray_session`'s.
 """
 from __future__ import annotations
 
@@ -166,8 +167,7 @@ class GangRunner:
 
             def start(r: int) -> Any:
                 if warm:
-                    return self._warm_rank(warm, gang, r, placement_group_table(pg)["bundles_to_node_id"][r], device,
-                                           store_uri)
+                    return self._warm_rank(warm, gang, r, nodes[r], device, store_uri)
                 return _RemoteGangMember.options(
                     name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
@@ -176,6 +176,7 @@ class GangRunner:
                          gang.identical)
 
             warm = self.warm if self.warm is not None and self.warm.keeps(bundle) else None
+            nodes = placement_group_table(pg)["bundles_to_node_id"] if warm else {}  # where Ray placed each bundle
             actors.extend(start(r) for r in range(gang.world_size) if gang.reader_of(r) == r)
             for unit in gang.ranks:
                 events.started(unit)

@@ -3,10 +3,10 @@
 Mark: what is kept refers to what it needs. Pins keep their units (and their jobs' records);
 units used within `unused_days` are kept (last use is a manifest's mtime: storage/store.py);
 job records as young, or named by the nightly history, are kept; torch's remote-cache entries
-(storage/remote_cache.py) used within `unused_days`, or of a kind a pin keeps, are kept; every blob a kept manifest, job
-record, cache entry, tuning record or pin refers to is kept. Sweep, in this order: unit
-manifests, job records, cache entries, then blobs nothing refers to that are older than the
-grace period, then expired leases.
+(storage/remote_cache.py) used within `unused_days`, or of a kind a pin keeps, are kept; every
+blob a kept manifest, job record, cache entry, tuning record or pin refers to is kept. Sweep, in
+this order: unit manifests, job records, cache entries, then blobs nothing refers to that are
+older than the grace period, then expired leases.
 
 Races, and how each is closed:
 - A publish in flight has its blobs up and its manifest not yet written: nothing refers to them,

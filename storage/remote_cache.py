@@ -91,16 +91,18 @@ class CacheEntries:
         self._renew(path)
         return raw, doc, value
 
-    def put(self, key: bytes, value: bytes, writer: str, files: dict[str, bytes] | None = None,
+    def put(self, key: bytes, value: bytes, writer: str, files: dict[str, bytes | BlobRef] | None = None,
             facts: dict[str, Any] | None = None) -> None:
         """Publish: the value and `files` (compiled kernels, by their path under Inductor's cache
-        dir) first, then the index document naming them (a reader never sees an index without its
-        value); `facts`: what a reader checks before it uses the files (the build command)."""
+        dir; their bytes, or the blob of one already put) first, then the index document naming
+        them (a reader never sees an index without its value); `facts`: what a reader checks
+        before it uses the files (the build command)."""
         ref = self.store.put_bytes(value)
         doc: dict[str, Any] = {"key": key.decode("utf-8", "surrogateescape"), "kind": kind_of(key),
                                "blob": ref.to_dict(), "writer": writer}
         if files:
-            doc["files"] = {name: self.store.put_bytes(data).to_dict() for name, data in sorted(files.items())}
+            doc["files"] = {name: (data if isinstance(data, BlobRef) else self.store.put_bytes(data)).to_dict()
+                            for name, data in sorted(files.items())}
             doc["facts"] = facts or {}
         self.store.put_document(index_path(key), doc)
         self._count(kind_of(key), "writes")
