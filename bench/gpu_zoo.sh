@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The farm on one GPU host, without Ray (issue 10's GPU run): the smoke zoo through aoti-cuda in
-# process (`farm compile`), one compile process per model at once so several workers share the
-# GPU, then one autotune job, then the GPU tests (a GPU training bundle among them), then
-# bench/train_warm.py for `inductor-cache:cuda` and `aot-compile:cuda` training steps. Figures go to OUTDIR (default $OUT or /tmp/farm-gpu).
+# The farm on one GPU host, without Ray (issue 10's GPU run): the GPU tests (a GPU training bundle
+# among them) in the background throughout; the smoke zoo through aoti-cuda in process (`farm
+# compile`), one compile process per model at once so several workers share the GPU; one
+# autotune job; bench/train_warm.py for `inductor-cache:cuda` and `aot-compile:cuda` training
+# steps; and `use_farm_cache` on a CUDA training step under plain torch.compile (issue 37: cold,
+# a writer, then a reader in a fresh process). Figures go to OUTDIR (default $OUT or
+# /tmp/farm-gpu). It takes about 8 minutes on a lent H100; the tests' load shares its 16 cores
+# with the timed steps.
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
@@ -18,28 +22,34 @@ py=${PYTHON:-python3}
 work=$(mktemp -d /tmp/farm-gpu-XXXX)
 store=$work/store
 mkdir -p "$out"
+trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a run stopped early leaves no tests running behind it
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton  # cold: fresh caches
 
 "$py" -m farm zoo export "$work/zoo" > "$out/export.log" 2>&1 || { cat "$out/export.log"; exit 1; }
 other_cxx=${CXX:-}
 export CXX=/usr/bin/g++
+"$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/pytest.log" 2>&1 &
+tests=$!
 
 echo "== zoo through $target, one process per model"
 start=$(date +%s)
+zoo=()
 for model in mlp cnn encoder_block gpt; do
   "$py" -m farm compile "$work/zoo/$model.pt2" -t "$target" --store "$store" > "$out/compile_$model.log" 2>&1 &
+  zoo+=($!)
 done
 if [[ -n $other_cxx && $other_cxx != /usr/bin/g++ ]]; then  # meanwhile, mlp with the host's own CXX
   CXX=$other_cxx "$py" -m farm compile "$work/zoo/mlp.pt2" -t "$target" --store "$work/other-cxx" \
     > "$out/other_cxx.log" 2>&1 &
+  zoo+=($!)
 fi
-wait
+wait "${zoo[@]}"
 echo "zoo wall: $(( $(date +%s) - start )) s"
 "$py" bench/gpu_report.py "$store" 2>&1 | tee "$out/zoo.txt"
 [[ -d $work/other-cxx ]] && { echo "== mlp with CXX=$other_cxx"; "$py" bench/gpu_report.py "$work/other-cxx" 2>&1 | tee "$out/other_cxx.txt"; }
 
-echo "== autotune job, and meanwhile the GPU tests"
+echo "== autotune job"
 cat > "$work/autotune.yaml" <<YAML
 name: gpu-autotune
 graphs: [zoo/mlp.pt2]
@@ -47,17 +57,27 @@ targets:
   - backend: $target
     autotune: {candidates: [max_autotune]}
 YAML
-"$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/pytest.log" 2>&1 &
 start=$(date +%s)
 "$py" -m farm run "$work/autotune.yaml" --store "$store" > "$out/autotune.log" 2>&1
 echo "autotune wall: $(( $(date +%s) - start )) s"
 "$py" bench/gpu_report.py "$store" 2>&1 | tee "$out/report.txt"
-wait
 
 echo "== training steps on the GPU: cold first steps against warm_start (issue 28)"
 if [[ $target == aoti-cuda ]]; then
   "$py" bench/train_warm.py --targets inductor-cache:cuda aot-compile:cuda --models mlp cnn > "$out/train_warm.txt" 2>&1
   grep -v "^DEBUG" "$out/train_warm.txt" | tail -12
 fi
-tail -15 "$out/pytest.log"
+
+echo "== use_farm_cache on a training step on the GPU: each a fresh process with empty Inductor and Triton caches"
+for case in cold writer reader; do
+  env=(FARM_STEP_DEVICE=$([[ $target == aoti-cuda ]] && echo cuda || echo cpu) TORCHINDUCTOR_CACHE_DIR=$work/jit-$case/inductor TRITON_CACHE_DIR=$work/jit-$case/triton)
+  [[ $case != cold ]] && env+=(FARM_CACHE_STORE=$work/jit-store)
+  [[ $case == reader ]] && env+=(FARM_CACHE_WRITE=0)
+  start=$(date +%s.%N)
+  env "${env[@]}" timeout -k 5 120 "$py" tests/jit_step.py > "$out/jit_$case.log" 2>&1
+  echo "$case: rc=$? process $("$py" -c "print(round($(date +%s.%N) - $start, 1))") s, step $(tail -1 "$out/jit_$case.log")"
+done
+
+wait $tests
+grep -v "^DEBUG" "$out/pytest.log" | tail -15
 rm -rf "$work"

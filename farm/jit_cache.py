@@ -17,8 +17,10 @@ stock torch against Redis, it:
   ISA probes in an entry per toolchain, and puts them in place before torch looks, so a hit
   runs no g++ where the build command is the writer's (checked; another one is logged once and
   compiles as before);
-- makes ranks compile once: a writer that misses takes a lease on the key in the store while
-  torch compiles it, and others wait for the entry (bounded; a dead holder is taken over);
+- makes ranks compile once: a writer that misses an FX graph or AOTAutograd key takes a lease
+  on it in the store while torch compiles it, and others wait for the entry (bounded; a dead
+  holder is taken over). Leases end with the compile, put or not; autotune keys take none
+  (a miss there is often never put: a kernel with one config is not benchmarked);
 - says why a graph the farm has under another key missed: which parts of torch's key differ
   (farm/jit_keys.py);
 - with `isa=`, pins Inductor's CPU code to that ISA (as the farm's own targets do), so every
@@ -48,6 +50,12 @@ log = logging.getLogger(__name__)
 LEASE_TTL_S = 30.0  # a holder renews every ttl/4; one silent this long is taken over
 LEASE_POLL_S = 0.25  # how often a waiter looks for the entry
 CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache", "RemoteBundledAutotuneCache")
+# The caches whose miss is a compile that ends by putting the entry, within Dynamo's compile:
+# their misses take leases. An autotune miss is looked up as a kernel first runs, after the
+# compile, and is put only if the kernel had configs to benchmark (on a GPU, a lease held for
+# the run kept other ranks waiting on a key that never came).
+AUTOGRAD_KIND = "autograd-experimental"
+LEASED_KINDS = (FX_KIND, AUTOGRAD_KIND, "farm-isa-probes-v1")
 
 
 @dataclass
@@ -127,6 +135,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
             cache.leases = Leases(opened.backend, holder_here(), ttl_s=LEASE_TTL_S)
             cache.wait_s = wait_s
             atexit.register(cache.close)
+            _release_when_compiles_end(cache)
     else:
         backend = _EndpointSource(url)
         cache = FarmCache(_without_token(url), writes=bool(write))
@@ -251,7 +260,7 @@ def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
     found = _checked(cache, source, key)
     if found is None and kind_of_key(key) == FX_KIND:
         explain_miss(cache, source, key)
-    if found is None and cache.leases is not None:
+    if found is None and cache.leases is not None and kind_of_key(key) in LEASED_KINDS:
         found = _compile_once(cache, source, key)
     if found is None:
         return None
@@ -266,7 +275,8 @@ def _compile_once(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes,
     """After a miss: the entry, once the process holding the key's lease published it; or None
     with the lease now held here (torch compiles, `_put` publishes and releases), or after
     waiting `wait_s` on a live holder. A lease whose compile ended without a put (torch failed,
-    or did not cache the graph) is released as this thread looks up its next key of that kind."""
+    or did not cache the graph) is released as that compile ends, or as this thread looks up its
+    next key of that kind, whichever comes first."""
     import threading
 
     from storage.leases import Lease
@@ -274,6 +284,9 @@ def _compile_once(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes,
     slot = (threading.get_ident(), kind_of_key(key))
     if (stale := cache._holding.pop(slot, None)) is not None:
         cache.release(stale)
+    if key in cache._held:  # another thread of this process compiles it: never wait on ourselves
+        cache.count("compiled_twice_here")
+        return None
     name = "jit-" + hashlib.sha256(key).hexdigest()[:48]
     claim = cache.leases.claim(name, lambda: _checked(cache, source, key, quiet=True),
                                on_wait=lambda info: log.info("farm cache: %s is being compiled by %s; waiting",
@@ -290,6 +303,24 @@ def _compile_once(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes,
         return None
     cache.count("waited_hits")
     return claim
+
+
+def _release_when_compiles_end(cache: FarmCache) -> None:
+    """A lease ends with the compile it was taken in, whether torch put the entry or not (it did
+    not cache the graph, or failed): others waiting on the key then compile it themselves instead
+    of waiting `wait_s` on a holder that has moved on. An FX graph is put within its Dynamo
+    compile; a training graph's AOTAutograd entry only once its backward is compiled (lazily, at
+    the first backward), so those leases end with a backward's compile."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    def ended(args: Any) -> None:
+        backward = args.callback_trigger == CallbackTrigger.LAZY_BACKWARD
+        for key in list(cache._held):
+            if backward or kind_of_key(key) != AUTOGRAD_KIND:
+                cache.release(key)
+
+    callback_handler.register_end_callback(ended)
+    cache._undo.append(lambda: callback_handler.remove_end_callback(ended))
 
 
 def _checked(cache: FarmCache, source: _Source, key: bytes,

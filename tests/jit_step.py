@@ -4,11 +4,13 @@ JSON on its last line. Its remote caches come from the environment alone
 (TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE, TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE, TORCHINDUCTOR_REDIS_URL):
 tests/test_remote_cache.py. With FARM_CACHE_STORE or FARM_CACHE_URL set, they are the farm's, through
 `use_farm_cache` (FARM_CACHE_WRITE=0: it only reads), and its counts are printed too; kernel
-builds are counted either way (workers/backends/kernels.py, counting_builds)."""
+builds are counted either way (workers/backends/kernels.py, counting_builds). FARM_STEP_DEVICE=cuda
+runs it on the GPU (bench/gpu_zoo.sh), and the step's seconds are printed too."""
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 from torch._dynamo.utils import counters
@@ -32,14 +34,17 @@ def main() -> None:
 
         farm = use_farm_cache(store=os.environ.get("FARM_CACHE_STORE"), url=os.environ.get("FARM_CACHE_URL"),
                               write=os.environ.get("FARM_CACHE_WRITE", "1") == "1", isa=os.environ.get("FARM_CACHE_ISA"))
+    device = os.environ.get("FARM_STEP_DEVICE", "cpu")
     torch.manual_seed(0)
-    net = Net()
+    net = Net().to(device)
     step = torch.compile(lambda x: net(x).square().mean())
+    start = time.perf_counter()
     with counting_builds() as built:
-        step(torch.randn(8, 16)).backward()
+        step(torch.randn(8, 16, device=device)).backward()
+    seconds = time.perf_counter() - start
     grads = sum(p.grad.abs().sum().item() for p in net.parameters())
     print(json.dumps({"inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"]),
-                      "grads": grads, "kernels_built": len(built), "farm": farm.stats() if farm else None}))
+                      "grads": grads, "kernels_built": len(built), "seconds": round(seconds, 2), "farm": farm.stats() if farm else None}))
 
 
 if __name__ == "__main__":
