@@ -82,7 +82,12 @@ from torch._dynamo.utils import counters
 from workers.check.inputs import input_sets
 from workers.sandbox.program import load_program
 bundle, program, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-if bundle != "-":
+farm = None
+if bundle.startswith("farm:"):  # farm:ISA:STORE, no bundle: the farm's store as torch's remote caches, read only
+    from farm.client import use_farm_cache
+    _, isa, store = bundle.split(":", 2)
+    farm = use_farm_cache(store=store, write=False, isa=isa)
+elif bundle != "-":
     torch.compiler.load_cache_artifacts(open(bundle, "rb").read())
 ep = load_program(program, program)
 model = ep.module()
@@ -91,7 +96,7 @@ worst = 0.0
 with torch._inductor.config.patch(config), torch.no_grad():
     for s in input_sets(ep):
         worst = max(worst, (compiled(*s.args) - model(*s.args)).abs().max().item())
-print(json.dumps({"inductor": dict(counters["inductor"]), "worst": worst}))
+print(json.dumps({"inductor": dict(counters["inductor"]), "worst": worst, "farm": farm and farm.stats()}))
 """
 
 
@@ -116,8 +121,14 @@ def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(zoo_dir, tmp_pat
         assert proc.returncode == 0, err[-3000:]
         return json.loads(out.strip().splitlines()[-1])
 
-    # two fresh processes at once: one loads the bundle, one (the control) compiles everything
-    warm, cold = (counts(p) for p in [serve(str(bundle), "fresh-1"), serve("-", "fresh-2")])
+    # fresh processes at once: one loads the bundle, one (the control) compiles everything, and one
+    # finds the unit's graphs in the farm's store as torch's remote caches (a JIT user: no bundle)
+    warm, cold, jit = (counts(p) for p in [serve(str(bundle), "fresh-1"), serve("-", "fresh-2"),
+                                           serve(f"farm:{manifest['artifact']['isa']}:{tmp_path / 'store'}", "fresh-3")])
     assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 2  # the static graph and the dynamic one
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0 and warm["worst"] < 1e-4
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and cold["inductor"].get("fxgraph_cache_hit", 0) == 0
+    assert jit["inductor"].get("fxgraph_cache_hit", 0) >= 2 and jit["inductor"].get("fxgraph_cache_miss", 0) == 0, jit
+    assert jit["farm"]["hits"] >= 2 and jit["farm"]["kernels_installed"] >= 1 and jit["worst"] < 1e-4, jit
+    fed = [line for line in store.get_bytes(r.log.digest).decode().splitlines() if "remote caches:" in line]
+    assert fed and "FX graph entries of torch's own published" in fed[0], fed

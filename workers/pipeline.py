@@ -35,7 +35,7 @@ from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers import host_check
 from workers.autotune.share import SharedAutotune, autotunes, entries_from, fingerprint_of
-from workers.backends import Backend, LoweringError, resolve
+from workers.backends import Backend, LoweringError, jit_entries, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import jail
 from workers.sandbox.env import as_childrens_cache
@@ -409,6 +409,9 @@ def publish(ctx: UnitContext, ready: Compiled) -> Published:
     with ctx.phase("upload"):
         artifact = store.put_file(ready.lowered.artifact)
         log.note(f"artifact {artifact.digest} ({artifact.size} bytes); publishing")
+        if getattr(ctx.backend, "feeds_remote_caches", False):  # torch's own entries, for its remote caches
+            fed, problem = jit_entries.published(store, ctx.tmp / jit_entries.OUTBOX, f"farm unit {ctx.unit.unit_id}")
+            log.note(problem or f"remote caches: {fed} FX graph entries of torch's own published")
         trace = save_trace(store, ctx.tmp, log)
         log_ref = store.put_bytes(log.text().encode())  # linked from the manifest
         metrics = {**ready.lowered.metrics, **ready.checked.metrics}

@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 
 from workers.autotune.share import benchmarked, recording_timings
 from workers.autotune.specialize import reexport, specialization_problems, specialize
-from workers.backends import LoweringError, resolve
+from workers.backends import LoweringError, jit_entries, resolve
 from workers.check.benchmark import measure
 from workers.check.inputs import dynamic_dims, input_sets, inputs_at, static_sets
 from workers.check.train import random_ops, step, undifferentiable_collectives, verify_training
@@ -90,6 +90,11 @@ def alone_on_device(device: str, needed: bool = True) -> Iterator[None]:
         yield
 
 
+def _feeding_remote_caches(backend: Any, workdir: Path) -> contextlib.AbstractContextManager[None]:
+    """A backend whose compile makes torch's own cache entries records them for the remote caches."""
+    return jit_entries.recording(workdir) if getattr(backend, "feeds_remote_caches", False) else contextlib.nullcontext()
+
+
 class Steps(GangSteps):
     def __init__(self) -> None:
         self._loaded: tuple[str, ExportedProgram] | None = None  # (unit id, its program)
@@ -155,7 +160,7 @@ class Steps(GangSteps):
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
         try:  # timings taken while lowering are taken alone on the GPU too
             with own_inductor_config(), alone_on_device(backend.device, tunes), recording_timings() as measured, \
-                    torch_trace(Path(workdir)):
+                    torch_trace(Path(workdir)), _feeding_remote_caches(backend, Path(workdir)):
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise

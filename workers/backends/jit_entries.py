@@ -1,0 +1,167 @@
+"""The farm feeds PyTorch's remote caches (issue 37): an `inductor-cache` unit's compile also
+yields the FX graph entries torch's remote FX graph cache holds, and the worker publishes them
+with the unit, under `remote-cache/` (storage/remote_cache.py), where `use_farm_cache` and
+`farm cache-serve` readers find them: a nightly's graphs are hits for JIT users who compile the
+same graph with the same torch and settings.
+
+In the sandbox child (`recording`), the entries come from what torch itself recorded for the
+unit's bundle (`torch.compiler.save_cache_artifacts`: each FX graph the compile made or found in
+the worker's local cache, by its key), encoded as torch's remote FX graph cache encodes them,
+with the CPU kernels loaded meanwhile (as a `use_farm_cache` writer ships them) and the command
+they were built with. Nothing about the lowering changes. The worker (`published`) reads the
+outbox as hostile input: bounded, keys of torch's shape, files inside the outbox.
+
+Not fed: AOTAutograd entries, whose key hashes functorch's whole config, the remote-cache switch
+included (an entry made with it off is one no JIT user of a remote cache asks for, and turning it
+on in the unit would change the keys of the training bundles it builds); and autotune entries,
+which torch keys differently in its local and remote caches.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import re
+import shutil
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+OUTBOX = "jit-entries"
+INDEX = "index.json"
+FX_KEY = "pt2:fx-graph-v1::{key}:c1"  # torch's RedisRemoteCache key format, for cache id fx-graph-v1
+KEY = re.compile(rb"pt2:fx-graph-v1::[a-z0-9]{20,80}:c1")
+KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")  # a kernel under Inductor's cache dir
+MAX_ENTRIES = 1000
+MAX_INDEX_BYTES = 4 << 20
+MAX_BYTES = 512 << 20  # values and kernels of one unit together
+
+
+@contextlib.contextmanager
+def recording(workdir: Path) -> Iterator[None]:
+    """In the sandbox child, around a lowering: the FX graph entries and kernels it recorded go
+    to `workdir/jit-entries`."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch.compiler._cache import CacheArtifactManager
+
+    from workers.backends import kernels
+
+    used: set[str] = set()  # CppCodeCache keys of the kernels this unit compiled or reused
+    command: list[str] = []  # how they are built: asked within the compile, where the target's ISA is pinned
+    recorded: list[tuple[str, bytes]] = []  # (FX graph key, its pickled graph)
+    original_load = CppCodeCache.load_async.__func__  # type: ignore[attr-defined]
+    original_serialize = CacheArtifactManager.serialize.__func__  # type: ignore[attr-defined]
+
+    def loading(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        # a worker's child is long-lived: a kernel an earlier unit loaded is not loaded again, so
+        # the kernels this unit used are the ones it asked for (torch's cache, by its key)
+        load = original_load(cls, *args, **kwargs)
+        used.update(k for k, v in cls.cache.items() if v is load)
+        if not command:
+            command.extend(kernels.build_command())
+        return load
+
+    def serializing(cls: Any) -> Any:  # the bundle is made: what it holds is read before torch clears it
+        recorded.extend((a.key, a.content) for a in cls._new_cache_artifacts.get("inductor", []))
+        return original_serialize(cls)
+
+    CppCodeCache.load_async = classmethod(loading)  # type: ignore[method-assign]
+    CacheArtifactManager.serialize = classmethod(serializing)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CppCodeCache.load_async = classmethod(original_load)  # type: ignore[method-assign]
+        CacheArtifactManager.serialize = classmethod(original_serialize)  # type: ignore[method-assign]
+    root = Path(cache_dir())
+    loaded = {name: str(root / name) for key in used
+              if KERNEL_PATH.fullmatch(name := f"{key[1:3]}/{key}.main.so") and (root / name).is_file()}
+    _write_outbox(workdir / OUTBOX, recorded, loaded, command)
+
+
+def _write_outbox(outbox: Path, recorded: list[tuple[str, bytes]], loaded: dict[str, str],
+                  build_command: list[str]) -> None:
+    from torch._inductor.remote_cache import RemoteCacheJsonSerde
+
+    outbox.mkdir(parents=True, exist_ok=True)
+    for name, path in loaded.items():
+        (outbox / "kernels" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, outbox / "kernels" / name)
+    index = []
+    for n, (key, content) in enumerate(dict(recorded).items()):
+        if n >= MAX_ENTRIES:
+            break
+        value = {"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 0}
+        (outbox / f"{n}.value").write_bytes(RemoteCacheJsonSerde().encode(value))
+        index.append({"key": FX_KEY.format(key=key), "value": f"{n}.value", "files": sorted(loaded),
+                      "facts": {"build_command": build_command}})
+    (outbox / INDEX).write_text(json.dumps(index))
+
+
+@dataclass
+class Entry:
+    key: bytes
+    value: bytes
+    files: dict[str, bytes]  # kernel name under Inductor's cache dir → its bytes
+    facts: dict[str, Any]
+
+
+def read_outbox(outbox: Path) -> list[Entry]:
+    """The entries a sandbox recorded (hostile: it lowered a graph from anyone); ValueError says
+    what is wrong with them, and none are taken then."""
+    index_file = outbox / INDEX
+    if not index_file.is_file():
+        return []
+    if index_file.stat().st_size > MAX_INDEX_BYTES:
+        raise ValueError(f"its index is over {MAX_INDEX_BYTES} bytes")
+    index = json.loads(index_file.read_text())
+    if not isinstance(index, list) or len(index) > MAX_ENTRIES:
+        raise ValueError(f"its index is not a list of at most {MAX_ENTRIES} entries")
+    budget = [MAX_BYTES]
+    read: dict[str, bytes] = {}
+
+    def take(name: str) -> bytes:
+        if name not in read:
+            path = outbox / name
+            if ".." in Path(name).parts or path.is_symlink() or not path.resolve().is_relative_to(outbox.resolve()) \
+                    or not path.is_file():
+                raise ValueError(f"{name[:100]!r} is not a file in the outbox")
+            budget[0] -= path.stat().st_size
+            if budget[0] < 0:
+                raise ValueError(f"its entries are over {MAX_BYTES} bytes together")
+            read[name] = path.read_bytes()
+        return read[name]
+
+    entries = []
+    for item in index:
+        key = str(item.get("key", "")).encode() if isinstance(item, dict) else b""
+        if not KEY.fullmatch(key):
+            raise ValueError(f"an entry's key {key[:100]!r} is not one of torch's FX graph keys")
+        files = item.get("files") or []
+        if not isinstance(files, list) or not all(isinstance(f, str) and KERNEL_PATH.fullmatch(f) for f in files):
+            raise ValueError(f"entry {key[:80]!r} names files that are not Inductor kernels")
+        facts = item.get("facts") or {}
+        command = facts.get("build_command") if isinstance(facts, dict) else None
+        if files and not (isinstance(command, list) and all(isinstance(t, str) for t in command)):
+            raise ValueError(f"entry {key[:80]!r} ships kernels without the command they were built with")
+        entries.append(Entry(key, take(str(item.get("value"))), {f: take(f"kernels/{f}") for f in files},
+                             {"build_command": command} if files else {}))
+    return entries
+
+
+def published(store: Any, outbox: Path, writer: str) -> tuple[int, str | None]:
+    """Publish what the sandbox recorded: (how many entries, why none were, or None)."""
+    from storage.remote_cache import CacheEntries
+
+    try:
+        entries = read_outbox(outbox)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        return 0, f"its remote-cache entries were not published: {e}"
+    cache = CacheEntries(store)
+    blobs: dict[str, Any] = {}  # a kernel uploaded once however many entries name it
+    for entry in entries:
+        for name, data in entry.files.items():
+            if name not in blobs:
+                blobs[name] = store.put_bytes(data)
+        cache.put(entry.key, entry.value, writer, {n: blobs[n] for n in entry.files}, entry.facts)
+    return len(entries), None
