@@ -5,8 +5,9 @@
 # autotune job; bench/train_warm.py for `inductor-cache:cuda` and `aot-compile:cuda` training
 # steps; and `use_farm_cache` on a CUDA training step under plain torch.compile (issue 37: cold,
 # a writer, then a reader in a fresh process). Figures go to OUTDIR (default $OUT or
-# /tmp/farm-gpu). It takes about 8 minutes on a lent H100; the tests' load shares its 16 cores
-# with the timed steps.
+# /tmp/farm-gpu). Give it 10 minutes: on a lent H100 (2026-11-26) the zoo took 129 s, the
+# autotune job 75 s and the GPU tests 228 s (then run one after the other), and 420 s ran out in
+# the training steps. The tests' load now shares the machine's 16 cores with the timed steps.
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #

@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 LEASE_TTL_S = 30.0  # a holder renews every ttl/4; one silent this long is taken over
 LEASE_POLL_S = 0.25  # how often a waiter looks for the entry
 CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache", "RemoteBundledAutotuneCache")
-# The caches whose miss is a compile that ends by putting the entry, within Dynamo's compile:
-# their misses take leases. An autotune miss is looked up as a kernel first runs, after the
+# The caches whose miss is a compile that ends by putting the entry (within Dynamo's compile, or
+# a training graph's lazy backward compile): their misses take leases. An autotune miss is looked up as a kernel first runs, after the
 # compile, and is put only if the kernel had configs to benchmark (on a GPU, a lease held for
 # the run kept other ranks waiting on a key that never came).
 AUTOGRAD_KIND = "autograd-experimental"
