@@ -48,7 +48,13 @@ fi
 wait "${zoo[@]}"
 echo "zoo wall: $(( $(date +%s) - start )) s"
 "$py" bench/gpu_report.py "$store" 2>&1 | tee "$out/zoo.txt"
-[[ -d $work/other-cxx ]] && { echo "== mlp with CXX=$other_cxx"; "$py" bench/gpu_report.py "$work/other-cxx" 2>&1 | tee "$out/other_cxx.txt"; }
+if [[ -d $work/other-cxx ]]; then
+  echo "== mlp with CXX=$other_cxx"
+  "$py" bench/gpu_report.py "$work/other-cxx" 2>&1 | tee "$out/other_cxx.txt"
+  # what the farm's libstdc++ check saw (on 2026-11-26's H100 it let this compiler through, and the check crashed)
+  echo "its libstdc++: $(readlink -f "$("$other_cxx" -print-file-name=libstdc++.so.6)")"
+  CXX=$other_cxx "$py" -c "import torch; from workers.backends import cxx; print('loaded here:', next((l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l), None)); print('farm says:', cxx.libstdcxx_problem())"
+fi
 
 echo "== autotune job"
 cat > "$work/autotune.yaml" <<YAML

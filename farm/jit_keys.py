@@ -6,13 +6,13 @@ key says which parts differ (farm/jit_cache.py)."""
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
+
+from storage.remote_cache import key_parts
 
 log = logging.getLogger("farm.jit_cache")
 
 FX_KIND = "fx-graph-v1"
-_PART = re.compile(r"\[(\w+)\] ([^:\n]{1,200}): (.*)", re.DOTALL)
 KEPT_PARTS = 256  # keys whose parts a process keeps
 
 
@@ -29,10 +29,7 @@ def record_key_parts(cache: Any) -> None:
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         key, lines = original(*args, **kwargs)
-        parts = {}
-        for line in lines:
-            if (m := _PART.match(line)) is not None:
-                parts[m.group(2)] = [m.group(1), " ".join(m.group(3).split())[:120]]
+        parts = key_parts(lines)
         if "gm" in parts:
             cache._parts[key] = parts
             while len(cache._parts) > KEPT_PARTS:

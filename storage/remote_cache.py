@@ -33,6 +33,20 @@ _CACHE_ID = re.compile(rb"pt2:([A-Za-z0-9_.-]{1,64})::")
 REFRESH_AGE_S = 3600.0  # a use renews an entry's mark at most this often
 
 
+_PART = re.compile(r"\[(\w+)\] ([^:\n]{1,200}): (.*)", re.DOTALL)
+MAX_PARTS = 400
+
+
+def key_parts(lines: list[str]) -> dict[str, list[str]]:
+    """What torch hashed into an FX graph key, from its debug lines (`[hash] part: value`): part →
+    [hash, value shortened], as `note_graph` keeps it and a client compares it."""
+    parts = {}
+    for line in lines[:MAX_PARTS]:
+        if (m := _PART.match(line)) is not None:
+            parts[m.group(2)] = [m.group(1), " ".join(m.group(3).split())[:120]]
+    return parts
+
+
 def kind_of(key: bytes) -> str:
     """Which of torch's caches a key is for (`fx-graph-v1`, ...), or `other`."""
     m = _CACHE_ID.match(key)

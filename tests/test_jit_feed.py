@@ -27,11 +27,15 @@ def _outbox(tmp_path, entries, files=None):
 
 def test_a_well_formed_outbox_is_published_with_its_kernels(tmp_path):
     store = store_from_uri(str(tmp_path / "store"))
-    outbox = _outbox(tmp_path, [{"key": FX, "value": "0.value", "files": [KERNEL], "facts": {"build_command": ["g++"]}}])
+    parts = {"gm": ["abcd1234abcd", "<graph>"], "cpp.march": ["ffff0000", "x86-64-v3"]}
+    outbox = _outbox(tmp_path, [{"key": FX, "value": "0.value", "files": [KERNEL], "facts": {"build_command": ["g++"]},
+                                 "parts": parts}])
     assert jit_entries.published(store, outbox, "farm unit u1") == (1, None)
     raw, doc, value = CacheEntries(store).entry(FX.encode())
     assert value == b"{}" and doc["writer"] == "farm unit u1" and list(doc["files"]) == [KERNEL]
     assert doc["facts"] == {"build_command": ["g++"]}
+    key, writer, noted = CacheEntries(store).graph("abcd1234abcd")  # what a miss explanation compares
+    assert key == FX and writer == "farm unit u1" and json.loads(noted) == parts
 
 
 @pytest.mark.parametrize("entry, problem", [
@@ -40,6 +44,8 @@ def test_a_well_formed_outbox_is_published_with_its_kernels(tmp_path):
     ({"key": FX, "value": "link"}, "is not a file in the outbox"),
     ({"key": FX, "value": "0.value", "files": ["../../x.main.so"]}, "not Inductor kernels"),
     ({"key": FX, "value": "0.value", "files": [KERNEL]}, "without the command they were built with"),
+    ({"key": FX, "value": "0.value", "parts": {"gm": ["../../units", "x"]}}, "names no graph hash"),
+    ({"key": FX, "value": "0.value", "parts": {"gm": "abcd1234abcd"}}, "in another shape than torch's"),
 ])
 def test_a_hostile_outbox_publishes_nothing_and_says_why(tmp_path, entry, problem):
     store = store_from_uri(str(tmp_path / "store"))

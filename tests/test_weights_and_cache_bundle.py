@@ -83,10 +83,10 @@ from workers.check.inputs import input_sets
 from workers.sandbox.program import load_program
 bundle, program, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 farm = None
-if bundle.startswith("farm:"):  # farm:ISA:STORE, no bundle: the farm's store as torch's remote caches, read only
+if bundle.startswith("farm:"):  # farm:ISA:STORE (ISA - for none), no bundle: the farm's store as torch's remote caches, read only
     from farm.client import use_farm_cache
     _, isa, store = bundle.split(":", 2)
-    farm = use_farm_cache(store=store, write=False, isa=isa)
+    farm = use_farm_cache(store=store, write=False, isa=None if isa == "-" else isa)
 elif bundle != "-":
     torch.compiler.load_cache_artifacts(open(bundle, "rb").read())
 ep = load_program(program, program)
@@ -100,34 +100,57 @@ print(json.dumps({"inductor": dict(counters["inductor"]), "worst": worst, "farm"
 """
 
 
-def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(zoo_dir, tmp_path):
+def _own_mlp(path):
+    """The zoo's MLP exported at a batch size of this test's own: its graphs are new to the worker's
+    Inductor cache whatever ran before, so the unit's sandbox hashes their keys (what it records of
+    them for use_farm_cache's explanations)."""
+    from farm.zoo.entry import BATCH
+    from farm.zoo.smoke import MLP
+
+    torch.manual_seed(0)
+    torch.export.save(torch.export.export(MLP().eval(), (torch.randn(13, 32),), dynamic_shapes={"x": {0: BATCH()}}),
+                      str(path))
+    return path
+
+
+def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(tmp_path):
     store = store_from_uri(str(tmp_path / "store"))
-    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["inductor-cache"]})
+    program = _own_mlp(tmp_path / "mlp.pt2")
+    job = parse_job({"graphs": [str(program)], "targets": ["inductor-cache"]})
     (r,) = execute(job, store).results
     assert r.status == "compiled", r.error
     manifest = store.get_manifest(r.key)
     assert manifest["artifact"]["format"] == "torch-compile-cache-artifacts"
     bundle = store.fetch(r.artifact.digest, tmp_path / "bundle.bin")
 
-    def serve(bundle_arg: str, cache: str) -> subprocess.Popen:
+    def serve(bundle_arg: str, cache: str, config: dict | None = None) -> subprocess.Popen:
         # a machine that never compiled it, with another core count than the farm's worker
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache), "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen([sys.executable, "-c", _SERVE, bundle_arg, str(zoo_dir / "mlp.pt2"),
-                                 json.dumps(manifest["artifact"]["serving_config"])],
+        config = manifest["artifact"]["serving_config"] if config is None else config
+        return subprocess.Popen([sys.executable, "-c", _SERVE, bundle_arg, str(program), json.dumps(config)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    said = {}
 
     def counts(proc: subprocess.Popen) -> dict:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
-        return json.loads(out.strip().splitlines()[-1])
+        said[proc.pid] = err
+        return {**json.loads(out.strip().splitlines()[-1]), "pid": proc.pid}
 
-    # fresh processes at once: one loads the bundle, one (the control) compiles everything, and one
-    # finds the unit's graphs in the farm's store as torch's remote caches (a JIT user: no bundle)
-    warm, cold, jit = (counts(p) for p in [serve(str(bundle), "fresh-1"), serve("-", "fresh-2"),
-                                           serve(f"farm:{manifest['artifact']['isa']}:{tmp_path / 'store'}", "fresh-3")])
+    # fresh processes at once: one loads the bundle; one finds the unit's graphs in the farm's store
+    # as torch's remote caches (a JIT user: no bundle); and the control, with Inductor's default
+    # settings, not the bundle's, compiles everything (the farm has its graphs under other keys)
+    store_uri = tmp_path / "store"
+    warm, cold, jit = (counts(p) for p in [serve(str(bundle), "fresh-1"), serve(f"farm:-:{store_uri}", "fresh-2", {}),
+                                           serve(f"farm:{manifest['artifact']['isa']}:{store_uri}", "fresh-3")])
     assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 2  # the static graph and the dynamic one
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0 and warm["worst"] < 1e-4
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and cold["inductor"].get("fxgraph_cache_hit", 0) == 0
+    # …and says why, from what the unit's sandbox recorded of its keys
+    assert cold["farm"]["misses_explained"] >= 1, cold
+    why = [line for line in said[cold["pid"]].splitlines() if "their keys differ in" in line]
+    assert why and "cpp.march" in why[0], said[cold["pid"]][-2000:]
     assert jit["inductor"].get("fxgraph_cache_hit", 0) >= 2 and jit["inductor"].get("fxgraph_cache_miss", 0) == 0, jit
     assert jit["farm"]["hits"] >= 2 and jit["farm"]["kernels_installed"] >= 1 and jit["worst"] < 1e-4, jit
     fed = [line for line in store.get_bytes(r.log.digest).decode().splitlines() if "remote caches:" in line]

@@ -7,8 +7,10 @@ same graph with the same torch and settings.
 In the sandbox child (`recording`), the entries come from what torch itself recorded for the
 unit's bundle (`torch.compiler.save_cache_artifacts`: each FX graph the compile made or found in
 the worker's local cache, by its key), encoded as torch's remote FX graph cache encodes them,
-with the CPU kernels loaded meanwhile (as a `use_farm_cache` writer ships them) and the command
-they were built with. Nothing about the lowering changes. The worker (`published`) reads the
+with the CPU kernels loaded meanwhile (as a `use_farm_cache` writer ships them), the command
+they were built with, and what torch hashed into each key (published with `note_graph`, so a
+`use_farm_cache` process that misses the same graph under another key says which settings
+differ). Nothing about the lowering changes. The worker (`published`) reads the
 outbox as hostile input: bounded, keys of torch's shape, files inside the outbox.
 
 Not fed: AOTAutograd entries, whose key hashes functorch's whole config, the remote-cache switch
@@ -33,6 +35,8 @@ FX_KEY = "pt2:fx-graph-v1::{key}:c1"  # torch's RedisRemoteCache key format, for
 KEY = re.compile(rb"pt2:fx-graph-v1::[a-z0-9]{20,80}:c1")
 KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")  # a kernel under Inductor's cache dir
 MAX_ENTRIES = 1000
+MAX_PARTS = 400
+GM_HASH = re.compile(r"[a-z0-9]{8,128}")  # the graph's own hash in torch's key (remote_cache._graph_path)
 MAX_INDEX_BYTES = 4 << 20
 MAX_BYTES = 512 << 20  # values and kernels of one unit together
 
@@ -41,8 +45,11 @@ MAX_BYTES = 512 << 20  # values and kernels of one unit together
 def recording(workdir: Path) -> Iterator[None]:
     """In the sandbox child, around a lowering: the FX graph entries and kernels it recorded go
     to `workdir/jit-entries`."""
+    from torch._inductor import codecache
     from torch._inductor.codecache import CppCodeCache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from storage.remote_cache import key_parts
     from torch.compiler._cache import CacheArtifactManager
 
     from workers.backends import kernels
@@ -50,8 +57,15 @@ def recording(workdir: Path) -> Iterator[None]:
     used: set[str] = set()  # CppCodeCache keys of the kernels this unit compiled or reused
     command: list[str] = []  # how they are built: asked within the compile, where the target's ISA is pinned
     recorded: list[tuple[str, bytes]] = []  # (FX graph key, its pickled graph)
+    parts: dict[str, dict[str, list[str]]] = {}  # FX graph key → what torch hashed into it
     original_load = CppCodeCache.load_async.__func__  # type: ignore[attr-defined]
     original_serialize = CacheArtifactManager.serialize.__func__  # type: ignore[attr-defined]
+    original_hash = codecache.compiled_fx_graph_hash
+
+    def hashing(*args: Any, **kwargs: Any) -> Any:
+        key, lines = original_hash(*args, **kwargs)
+        parts[key] = key_parts(lines)
+        return key, lines
 
     def loading(cls: Any, *args: Any, **kwargs: Any) -> Any:
         # a worker's child is long-lived: a kernel an earlier unit loaded is not loaded again, so
@@ -68,19 +82,21 @@ def recording(workdir: Path) -> Iterator[None]:
 
     CppCodeCache.load_async = classmethod(loading)  # type: ignore[method-assign]
     CacheArtifactManager.serialize = classmethod(serializing)  # type: ignore[method-assign]
+    codecache.compiled_fx_graph_hash = hashing
     try:
         yield
     finally:
         CppCodeCache.load_async = classmethod(original_load)  # type: ignore[method-assign]
         CacheArtifactManager.serialize = classmethod(original_serialize)  # type: ignore[method-assign]
+        codecache.compiled_fx_graph_hash = original_hash
     root = Path(cache_dir())
     loaded = {name: str(root / name) for key in used
               if KERNEL_PATH.fullmatch(name := f"{key[1:3]}/{key}.main.so") and (root / name).is_file()}
-    _write_outbox(workdir / OUTBOX, recorded, loaded, command)
+    _write_outbox(workdir / OUTBOX, recorded, loaded, command, parts)
 
 
 def _write_outbox(outbox: Path, recorded: list[tuple[str, bytes]], loaded: dict[str, str],
-                  build_command: list[str]) -> None:
+                  build_command: list[str], parts: dict[str, dict[str, list[str]]]) -> None:
     from torch._inductor.remote_cache import RemoteCacheJsonSerde
 
     outbox.mkdir(parents=True, exist_ok=True)
@@ -94,7 +110,7 @@ def _write_outbox(outbox: Path, recorded: list[tuple[str, bytes]], loaded: dict[
         value = {"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 0}
         (outbox / f"{n}.value").write_bytes(RemoteCacheJsonSerde().encode(value))
         index.append({"key": FX_KEY.format(key=key), "value": f"{n}.value", "files": sorted(loaded),
-                      "facts": {"build_command": build_command}})
+                      "facts": {"build_command": build_command}, "parts": parts.get(key, {})})
     (outbox / INDEX).write_text(json.dumps(index))
 
 
@@ -104,6 +120,7 @@ class Entry:
     value: bytes
     files: dict[str, bytes]  # kernel name under Inductor's cache dir → its bytes
     facts: dict[str, Any]
+    parts: dict[str, list[str]]  # what torch hashed into the key: part → [hash, value]
 
 
 def read_outbox(outbox: Path) -> list[Entry]:
@@ -145,8 +162,20 @@ def read_outbox(outbox: Path) -> list[Entry]:
         if files and not (isinstance(command, list) and all(isinstance(t, str) for t in command)):
             raise ValueError(f"entry {key[:80]!r} ships kernels without the command they were built with")
         entries.append(Entry(key, take(str(item.get("value"))), {f: take(f"kernels/{f}") for f in files},
-                             {"build_command": command} if files else {}))
+                             {"build_command": command} if files else {}, _parts(key, item.get("parts"))))
     return entries
+
+
+def _parts(key: bytes, parts: Any) -> dict[str, list[str]]:
+    if parts in (None, {}):
+        return {}
+    if not (isinstance(parts, dict) and len(parts) <= MAX_PARTS and all(
+            isinstance(name, str) and len(name) <= 200 and isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, str) and len(x) <= 200 for x in v) for name, v in parts.items())):
+        raise ValueError(f"entry {key[:80]!r} says what went into its key in another shape than torch's")
+    if not GM_HASH.fullmatch(parts.get("gm", ["", ""])[0]):
+        raise ValueError(f"entry {key[:80]!r} names no graph hash of torch's shape")
+    return parts
 
 
 def published(store: Any, outbox: Path, writer: str) -> tuple[int, str | None]:
@@ -164,4 +193,6 @@ def published(store: Any, outbox: Path, writer: str) -> tuple[int, str | None]:
             if name not in blobs:
                 blobs[name] = store.put_bytes(data)
         cache.put(entry.key, entry.value, writer, {n: blobs[n] for n in entry.files}, entry.facts)
+        if entry.parts:  # after the entry: a note never names a key that is not there
+            cache.note_graph(entry.parts["gm"][0], entry.key, json.dumps(entry.parts).encode(), writer)
     return len(entries), None
