@@ -212,6 +212,8 @@ class _EndpointSource(_Source):
         import redis  # redis-py, as torch's own Redis backend needs
 
         self.client = redis.Redis.from_url(url)
+        self._refused = redis.ResponseError
+        self._sent: dict[str, bytes] = {}  # kernel name → its blob in the store, once its bytes went
 
     def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
         reply = self.client.execute_command("FARM.ENTRY", key)
@@ -221,10 +223,24 @@ class _EndpointSource(_Source):
         return raw, value, {name.decode(): data for name, data in files}
 
     def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None:
+        """Each kernel's bytes travel once per process; later entries that name it send its blob
+        (`sha256:DIGEST:SIZE`), and all bytes again if the store no longer holds one (collected)."""
         if not files:
             self.client.set(key, value)
             return
-        named = [part for name, data in sorted(read_files(files).items()) for part in (name.encode(), data)]
+        new = read_files({n: p for n, p in files.items() if n not in self._sent})
+        try:
+            self._farm_put(key, value, facts, {**{n: self._sent[n] for n in files if n in self._sent}, **new})
+        except self._refused as e:
+            if "which the store does not hold" not in str(e):
+                raise
+            self._sent.clear()
+            self._farm_put(key, value, facts, read_files(files))
+            new = {}
+        self._sent.update((n, f"sha256:{hashlib.sha256(d).hexdigest()}:{len(d)}".encode()) for n, d in new.items())
+
+    def _farm_put(self, key: bytes, value: bytes, facts: dict[str, Any], files: dict[str, bytes]) -> None:
+        named = [part for name, data in sorted(files.items()) for part in (name.encode(), data)]
         self.client.execute_command("FARM.PUT", key, value, json.dumps(facts).encode(), *named)
 
 

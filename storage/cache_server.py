@@ -3,7 +3,9 @@ remote caches (torch/_inductor/remote_cache.py's RedisRemoteCacheBackend, throug
 PING, AUTH, HELLO (protocol 2, and 3 for redis-py 8), QUIT, SELECT 0, CLIENT SETNAME/SETINFO,
 GET and SET; and for `farm.client.use_farm_cache`, FARM.ENTRY key (the entry's index document
 as stored, with its signature, which that client checks; its value; the compiled kernels it
-names) and FARM.PUT key value facts [name data]... (a writer's SET with those kernels). Values
+names) and FARM.PUT key value facts [name data]... (a writer's SET with those kernels; a file's
+data may instead be `sha256:DIGEST:SIZE`, a blob the store already holds, so a writer sends each
+kernel once however many of its entries name it). Values
 live in the store (storage/remote_cache.py); who may read or write, in a tokens file
 (storage/cache_tokens.py).
 
@@ -31,6 +33,7 @@ from storage import resp
 from storage.backend import StoreError
 from storage.cache_tokens import User, Users
 from storage.remote_cache import CacheEntries, save_stats
+from storage.store import BlobRef
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ STORE_THREADS = 16
 STREAM_LIMIT = 1 << 16  # the stream's buffer for header lines (resp.Limits bounds them far lower)
 FARM_PUT_ARGS = 2 * 1024 + 4  # FARM.PUT key value facts, and up to 1024 named files
 FILE_NAME = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}(\.main)?\.so")  # Inductor's kernels and ISA probes
+BLOB_REF = re.compile(rb"sha256:([0-9a-f]{64}):([0-9]{1,12})")  # a file already in the store, by its blob
 STATS_EVERY_S = 10.0  # how often a server's counts reach the store, when they changed
 VERSION = "7.0.0"  # what HELLO says it is: the protocol torch and redis-py expect of a Redis 7
 
@@ -314,10 +318,27 @@ class CacheServer:
             what = f"file names that are not Inductor's ({bad[0][:60]!r})" if bad else "facts that are not a JSON object"
             return resp.error(f"ERR FARM.PUT with {what}"), False
         try:
-            await self._store(self.entries.put, key, value, session.user.name, dict(zip(names, rest[1::2])), facts)
+            files = await self._store(self._files, dict(zip(names, rest[1::2])))
+            if isinstance(files, str):
+                return resp.error(f"ERR FARM.PUT names {files}, which the store does not hold: send its bytes"), False
+            await self._store(self.entries.put, key, value, session.user.name, files, facts)
         except StoreError as e:
             return resp.error(f"ERR the farm store refused the write: {e}"), False
         return resp.simple("OK"), False
+
+    def _files(self, sent: dict[str, bytes]) -> dict[str, bytes | BlobRef] | str:
+        """The files as sent: bytes, or a blob of the store named by `sha256:DIGEST:SIZE` (the
+        name of the first one the store does not hold, instead)."""
+        files: dict[str, bytes | BlobRef] = {}
+        for name, data in sent.items():
+            ref = BLOB_REF.fullmatch(data)
+            if ref is None:
+                files[name] = data
+                continue
+            files[name] = blob = BlobRef(ref.group(1).decode(), int(ref.group(2)))
+            if not self.entries.store.has_blob(blob):
+                return f"{name} as blob {blob.digest[:16]}"
+        return files
 
     async def _store(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import json
 import os
 import random
@@ -290,6 +291,18 @@ def test_hostile_clients_get_an_error_or_are_closed_and_the_server_serves_on(tok
         assert good.reply() == b"+OK\r\n"
         r.send(b"GET", key)
         assert r.reply() == b"$5\r\nvalue\r\n"
+
+        # a kernel sent once is named by its blob in later entries; a blob the store lacks is refused
+        kernel, elf = b"ab/c" + b"b" * 30 + b".main.so", b"\x7fELF kernel"
+        blob = b"sha256:%s:%d" % (hashlib.sha256(elf).hexdigest().encode(), len(elf))
+        good.send(b"FARM.PUT", b"pt2:fx-graph-v1::k2:c1", b"v2", b"{}", kernel, blob)
+        assert good.reply().startswith(b"-ERR FARM.PUT names ab/c")  # and the connection serves on
+        good.send(b"FARM.PUT", b"pt2:fx-graph-v1::k2:c1", b"v2", b"{}", kernel, elf)
+        assert good.reply() == b"+OK\r\n"
+        good.send(b"FARM.PUT", b"pt2:fx-graph-v1::k3:c1", b"v3", b"{}", kernel, blob)
+        assert good.reply() == b"+OK\r\n"
+        _, doc, _ = server.entries.entry(b"pt2:fx-graph-v1::k3:c1", verify=False)
+        assert server.entries.files(doc) == {kernel.decode(): elf}
     finally:
         server.stop()
     assert server.entries.stats()["fx-graph-v1"]["refused"] == 3  # the reader's SET and FARM.PUT, the bad name
