@@ -10,8 +10,9 @@ the worker's local cache, by its key), encoded as torch's remote FX graph cache 
 with the CPU kernels loaded meanwhile (as a `use_farm_cache` writer ships them), the command
 they were built with, and what torch hashed into each key (published with `note_graph`, so a
 `use_farm_cache` process that misses the same graph under another key says which settings
-differ). Nothing about the lowering changes. The worker (`published`) reads the
-outbox as hostile input: bounded, keys of torch's shape, files inside the outbox.
+differ). The lowering's output is unchanged; only its AOTAutograd lookups miss (see `recording`).
+The worker (`published`) reads the outbox as hostile input: bounded, keys of torch's shape,
+files inside the outbox.
 
 Not fed: AOTAutograd entries, whose key hashes functorch's whole config, the remote-cache switch
 included (an entry made with it off is one no JIT user of a remote cache asks for, and turning it
@@ -25,8 +26,8 @@ import contextlib
 import json
 import re
 import shutil
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 OUTBOX = "jit-entries"
@@ -45,6 +46,7 @@ MAX_BYTES = 512 << 20  # values and kernels of one unit together
 def recording(workdir: Path) -> Iterator[None]:
     """In the sandbox child, around a lowering: the FX graph entries and kernels it recorded go
     to `workdir/jit-entries`."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._inductor import codecache
     from torch._inductor.codecache import CppCodeCache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -80,12 +82,21 @@ def recording(workdir: Path) -> Iterator[None]:
         recorded.extend((a.key, a.content) for a in cls._new_cache_artifacts.get("inductor", []))
         return original_serialize(cls)
 
+    # An AOTAutograd hit (a graph this worker compiled before) loads its FX graphs by their keys
+    # without hashing them again, so what went into those keys would be missing: the unit's
+    # AOTAutograd lookups miss instead (it traces again; its FX graphs still hit, and are saved
+    # whole, as the bundle needs them).
+    original_lookup = AOTAutogradCache.__dict__.get("_lookup")
     CppCodeCache.load_async = classmethod(loading)  # type: ignore[method-assign]
     CacheArtifactManager.serialize = classmethod(serializing)  # type: ignore[method-assign]
     codecache.compiled_fx_graph_hash = hashing
+    if original_lookup is not None:
+        AOTAutogradCache._lookup = staticmethod(lambda *args, **kwargs: None)  # type: ignore[method-assign]
     try:
         yield
     finally:
+        if original_lookup is not None:
+            AOTAutogradCache._lookup = original_lookup  # type: ignore[method-assign]
         CppCodeCache.load_async = classmethod(original_load)  # type: ignore[method-assign]
         CacheArtifactManager.serialize = classmethod(original_serialize)  # type: ignore[method-assign]
         codecache.compiled_fx_graph_hash = original_hash
