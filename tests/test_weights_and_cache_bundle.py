@@ -100,22 +100,9 @@ print(json.dumps({"inductor": dict(counters["inductor"]), "worst": worst, "farm"
 """
 
 
-def _own_mlp(path):
-    """The zoo's MLP exported at a batch size of this test's own: its graphs are new to the worker's
-    Inductor cache whatever ran before, so the unit's sandbox hashes their keys (what it records of
-    them for use_farm_cache's explanations)."""
-    from farm.zoo.entry import BATCH
-    from farm.zoo.smoke import MLP
-
-    torch.manual_seed(0)
-    torch.export.save(torch.export.export(MLP().eval(), (torch.randn(13, 32),), dynamic_shapes={"x": {0: BATCH()}}),
-                      str(path))
-    return path
-
-
-def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(tmp_path):
+def test_inductor_cache_bundle_gives_a_fresh_process_cache_hits(zoo_dir, tmp_path):
     store = store_from_uri(str(tmp_path / "store"))
-    program = _own_mlp(tmp_path / "mlp.pt2")
+    program = zoo_dir / "mlp.pt2"  # compiled by other tests too: the worker's Inductor cache may hold its graphs
     job = parse_job({"graphs": [str(program)], "targets": ["inductor-cache"]})
     (r,) = execute(job, store).results
     assert r.status == "compiled", r.error
