@@ -61,3 +61,17 @@ def test_entries_over_the_size_bound_are_refused(tmp_path, monkeypatch):
     outbox = _outbox(tmp_path, [{"key": FX, "value": "0.value"}], {"0.value": b"x" * 11})
     fed, said = jit_entries.published(store_from_uri(str(tmp_path / "store")), outbox, "w")
     assert fed == 0 and "over 10 bytes" in said
+
+
+def test_a_store_that_refuses_the_entries_leaves_the_unit_standing(tmp_path, monkeypatch):
+    from storage.backend import StoreError
+
+    store = store_from_uri(str(tmp_path / "store"))
+    outbox = _outbox(tmp_path, [{"key": FX, "value": "0.value"}])
+
+    def refuse(*args, **kwargs):
+        raise StoreError("the bucket is read-only")
+
+    monkeypatch.setattr(CacheEntries, "put", refuse)
+    fed, said = jit_entries.published(store, outbox, "w")
+    assert fed == 0 and "0 of its 1 remote-cache entries were published" in said and "read-only" in said

@@ -50,10 +50,9 @@ def recording(workdir: Path) -> Iterator[None]:
     from torch._inductor import codecache
     from torch._inductor.codecache import CppCodeCache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    from storage.remote_cache import key_parts
     from torch.compiler._cache import CacheArtifactManager
 
+    from storage.remote_cache import key_parts
     from workers.backends import kernels
 
     used: set[str] = set()  # CppCodeCache keys of the kernels this unit compiled or reused
@@ -190,7 +189,9 @@ def _parts(key: bytes, parts: Any) -> dict[str, list[str]]:
 
 
 def published(store: Any, outbox: Path, writer: str) -> tuple[int, str | None]:
-    """Publish what the sandbox recorded: (how many entries, why none were, or None)."""
+    """Publish what the sandbox recorded: (how many entries, why not all were, or None). The
+    unit's own artifact stands either way: these are a by-product."""
+    from storage.backend import StoreError
     from storage.remote_cache import CacheEntries
 
     try:
@@ -199,11 +200,14 @@ def published(store: Any, outbox: Path, writer: str) -> tuple[int, str | None]:
         return 0, f"its remote-cache entries were not published: {e}"
     cache = CacheEntries(store)
     blobs: dict[str, Any] = {}  # a kernel uploaded once however many entries name it
-    for entry in entries:
-        for name, data in entry.files.items():
-            if name not in blobs:
-                blobs[name] = store.put_bytes(data)
-        cache.put(entry.key, entry.value, writer, {n: blobs[n] for n in entry.files}, entry.facts)
-        if entry.parts:  # after the entry: a note never names a key that is not there
-            cache.note_graph(entry.parts["gm"][0], entry.key, json.dumps(entry.parts).encode(), writer)
+    for done, entry in enumerate(entries):
+        try:
+            for name, data in entry.files.items():
+                if name not in blobs:
+                    blobs[name] = store.put_bytes(data)
+            cache.put(entry.key, entry.value, writer, {n: blobs[n] for n in entry.files}, entry.facts)
+            if entry.parts:  # after the entry: a note never names a key that is not there
+                cache.note_graph(entry.parts["gm"][0], entry.key, json.dumps(entry.parts).encode(), writer)
+        except StoreError as e:
+            return done, f"{done} of its {len(entries)} remote-cache entries were published; the store refused the rest: {e}"
     return len(entries), None
