@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from farm.jit_kernels import PROBE_PATH, install_kernels, read_files, record_loaded_kernels
+from farm.jit_kernels import install_kernels, read_files, record_loaded_kernels
 from farm.jit_keys import FX_KIND, explain_miss, fx_id, record_key_parts
+from storage.remote_cache import PROBE_PATH
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache",
 # compile, and is put only if the kernel had configs to benchmark (on a GPU, a lease held for
 # the run kept other ranks waiting on a key that never came).
 AUTOGRAD_KIND = "autograd-experimental"
-LEASED_KINDS = (FX_KIND, AUTOGRAD_KIND, "farm-isa-probes-v1")
+PROBES_KIND = "farm-isa-probes-v1"  # Inductor's ISA probes, an entry per toolchain
+LEASED_KINDS = (FX_KIND, AUTOGRAD_KIND, PROBES_KIND)
 
 
 @dataclass
@@ -407,7 +409,7 @@ def _probes_key() -> bytes:
     from workers.backends import kernels
 
     names = sorted(Path(p).name for isa in supported_vec_isa_list if (p := kernels.isa_probe_path(str(isa))))
-    return b"pt2:farm-isa-probes-v1::" + hashlib.sha256("\n".join(names).encode()).hexdigest().encode() + b":c1"
+    return f"pt2:{PROBES_KIND}::".encode() + hashlib.sha256("\n".join(names).encode()).hexdigest().encode() + b":c1"
 
 
 def _install_probes(cache: FarmCache, source: _Source) -> None:

@@ -4,15 +4,13 @@ is the writer's (workers/backends/kernels.py does the same for training bundles)
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
+from storage.remote_cache import KERNEL_PATH
+
 log = logging.getLogger("farm.jit_cache")
 
-# Inductor's files under its cache dir, as workers/backends/kernels.py names them
-KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")
-PROBE_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.so")  # an ISA probe: not a kernel's .main.so
 
 
 def record_loaded_kernels(cache: Any) -> None:

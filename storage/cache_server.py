@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from storage import resp
 from storage.backend import StoreError
 from storage.cache_tokens import User, Users
-from storage.remote_cache import CacheEntries, save_stats
+from storage.remote_cache import KERNEL_PATH, PROBE_PATH, CacheEntries, save_stats
 from storage.store import BlobRef
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ AUTH_TRIES = 3
 STORE_THREADS = 16
 STREAM_LIMIT = 1 << 16  # the stream's buffer for header lines (resp.Limits bounds them far lower)
 FARM_PUT_ARGS = 2 * 1024 + 4  # FARM.PUT key value facts, and up to 1024 named files
-FILE_NAME = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}(\.main)?\.so")  # Inductor's kernels and ISA probes
 BLOB_REF = re.compile(rb"sha256:([0-9a-f]{64}):([0-9]{1,12})")  # a file already in the store, by its blob
 STATS_EVERY_S = 10.0  # how often a server's counts reach the store, when they changed
 VERSION = "7.0.0"  # what HELLO says it is: the protocol torch and redis-py expect of a Redis 7
@@ -308,7 +307,7 @@ class CacheServer:
             return resp.error(f"NOPERM User {session.user.name} has no permissions to run the 'farm.put' command "
                               f"(its role is read)"), False
         names = [n.decode("utf-8", "replace") for n in rest[0::2]]
-        bad = [n for n in names if not FILE_NAME.fullmatch(n)]
+        bad = [n for n in names if not (KERNEL_PATH.fullmatch(n) or PROBE_PATH.fullmatch(n))]
         try:
             facts = json.loads(facts_json)
         except ValueError:

@@ -33,6 +33,10 @@ _CACHE_ID = re.compile(rb"pt2:([A-Za-z0-9_.-]{1,64})::")
 REFRESH_AGE_S = 3600.0  # a use renews an entry's mark at most this often
 
 
+# The files an entry may carry, by their path under Inductor's cache dir: compiled kernels, and
+# (in a per-toolchain entry of their own) Inductor's ISA probes.
+KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")
+PROBE_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.so")  # an ISA probe: not a kernel's .main.so
 _PART = re.compile(r"\[(\w+)\] ([^:\n]{1,200}): (.*)", re.DOTALL)
 MAX_PARTS = 400
 

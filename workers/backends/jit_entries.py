@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from storage.remote_cache import KERNEL_PATH, MAX_PARTS
+
 OUTBOX = "jit-entries"
 INDEX = "index.json"
 FX_KEY = "pt2:fx-graph-v1::{key}:c1"  # torch's RedisRemoteCache key format, for cache id fx-graph-v1
 KEY = re.compile(rb"pt2:fx-graph-v1::[a-z0-9]{20,80}:c1")
-KERNEL_PATH = re.compile(r"[a-z0-9]{2}/[a-z0-9]{20,80}\.main\.so")  # a kernel under Inductor's cache dir
 MAX_ENTRIES = 1000
-MAX_PARTS = 400
 GM_HASH = re.compile(r"[a-z0-9]{8,128}")  # the graph's own hash in torch's key (remote_cache._graph_path)
 MAX_INDEX_BYTES = 4 << 20
 MAX_BYTES = 512 << 20  # values and kernels of one unit together
@@ -68,11 +68,18 @@ def recording(workdir: Path) -> Iterator[None]:
         parts[key] = key_parts(lines)
         return key, lines
 
+    keys: dict[int, str] = {}  # torch's cache, its loaders back to their keys (grown as it grows)
+
     def loading(cls: Any, *args: Any, **kwargs: Any) -> Any:
         # a worker's child is long-lived: a kernel an earlier unit loaded is not loaded again, so
         # the kernels this unit used are the ones it asked for (torch's cache, by its key)
         load = original_load(cls, *args, **kwargs)
-        used.update(k for k, v in cls.cache.items() if v is load)
+        key = keys.get(id(load))
+        if key is None or cls.cache.get(key) is not load:  # a kernel new to this map: torch's cache grew
+            keys.update((id(v), k) for k, v in cls.cache.items())
+            key = keys.get(id(load))
+        if key is not None:
+            used.add(key)
         if not command:
             command.extend(kernels.build_command())
         return load
