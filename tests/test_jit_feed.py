@@ -1,6 +1,6 @@
 """What an `inductor-cache` unit's sandbox leaves for the remote caches is hostile input (it lowered
-a graph from anyone): the worker publishes it only when every entry is one of torch's FX graph
-keys with its files inside the outbox and within bounds; otherwise nothing, and says why."""
+a graph from anyone): the worker publishes it only when every entry is one of torch's FX graph or
+AOTAutograd keys with its files inside the outbox and within bounds; otherwise nothing, and says why."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from storage.remote_cache import CacheEntries
 from workers.backends import jit_entries
 
 FX = "pt2:fx-graph-v1::f" + "a" * 51 + ":c1"
+AOT = "pt2:autograd-experimental::a" + "b" * 51 + ":c1"
 KERNEL = "ab/c" + "b" * 51 + ".main.so"
 
 
@@ -38,8 +39,21 @@ def test_a_well_formed_outbox_is_published_with_its_kernels(tmp_path):
     assert key == FX and writer == "farm unit u1" and json.loads(noted) == parts
 
 
+def test_an_autograd_entry_is_published_beside_its_fx_graphs(tmp_path):
+    store = store_from_uri(str(tmp_path / "store"))
+    outbox = _outbox(tmp_path, [{"key": FX, "value": "0.value", "files": [KERNEL], "facts": {"build_command": ["g++"]}},
+                                {"key": AOT, "value": "1.value"}],
+                     {"0.value": b"{}", "1.value": b'{"data": ""}', f"kernels/{KERNEL}": b"\x7fELF"})
+    assert jit_entries.published(store, outbox, "farm unit u1") == (2, None)
+    raw, doc, value = CacheEntries(store).entry(AOT.encode())
+    assert value == b'{"data": ""}' and doc["writer"] == "farm unit u1" and not doc.get("files")
+
+
 @pytest.mark.parametrize("entry, problem", [
-    ({"key": "pt2:autograd-experimental::x:c1", "value": "0.value"}, "not one of torch's FX graph keys"),
+    ({"key": "pt2:autograd-experimental::x:c1", "value": "0.value"}, "not one of torch's FX graph or AOTAutograd keys"),
+    ({"key": "pt2:autotune-best-config-v2::" + "c" * 40 + ":c1", "value": "0.value"}, "not one of torch's FX graph"),
+    ({"key": AOT, "value": "0.value", "files": [KERNEL], "facts": {"build_command": ["g++"]}},
+     "only FX graph entries carry them"),
     ({"key": FX, "value": "../../etc/passwd"}, "is not a file in the outbox"),
     ({"key": FX, "value": "link"}, "is not a file in the outbox"),
     ({"key": FX, "value": "0.value", "files": ["../../x.main.so"]}, "not Inductor kernels"),

@@ -411,7 +411,7 @@ def publish(ctx: UnitContext, ready: Compiled) -> Published:
         log.note(f"artifact {artifact.digest} ({artifact.size} bytes); publishing")
         if getattr(ctx.backend, "feeds_remote_caches", False):  # torch's own entries, for its remote caches
             fed, problem = jit_entries.published(store, ctx.tmp / jit_entries.OUTBOX, f"farm unit {ctx.unit.unit_id}")
-            log.note(problem or f"remote caches: {fed} FX graph entries of torch's own published")
+            log.note(problem or f"remote caches: {fed} FX graph and AOTAutograd entries of torch's own published")
         trace = save_trace(store, ctx.tmp, log)
         log_ref = store.put_bytes(log.text().encode())  # linked from the manifest
         metrics = {**ready.lowered.metrics, **ready.checked.metrics}

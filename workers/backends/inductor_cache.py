@@ -45,7 +45,7 @@ def _compiled(module: torch.nn.Module, pin: train_bundle.Pin) -> Callable[..., A
 class InductorCache(cpu_isa.PinnedCpuTarget):
     name = "inductor-cache"
     weights_in_code = False  # torch.compile takes parameters and buffers as graph inputs
-    feeds_remote_caches = True  # its FX graph entries go to remote-cache/ too (jit_entries.py)
+    feeds_remote_caches = True  # its FX graph and AOTAutograd entries go to remote-cache/ too (jit_entries.py)
     modes = ("inference", "train")
     device_configs: dict[str, Any] = {}  # Inductor settings the device adds (the GPU form's below)
 

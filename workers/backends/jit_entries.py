@@ -1,5 +1,5 @@
 """The farm feeds PyTorch's remote caches (issue 37): an `inductor-cache` unit's compile also
-yields the FX graph entries torch's remote FX graph cache holds, and the worker publishes them
+yields the entries torch's remote FX graph and AOTAutograd caches hold, and the worker publishes them
 with the unit, under `remote-cache/` (storage/remote_cache.py), where `use_farm_cache` and
 `farm cache-serve` readers find them: a nightly's graphs are hits for JIT users who compile the
 same graph with the same torch and settings.
@@ -14,10 +14,11 @@ differ). The lowering's output is unchanged; only its AOTAutograd lookups miss (
 The worker (`published`) reads the outbox as hostile input: bounded, keys of torch's shape,
 files inside the outbox.
 
-Not fed: AOTAutograd entries, whose key hashes functorch's whole config, the remote-cache switch
-included (an entry made with it off is one no JIT user of a remote cache asks for, and turning it
-on in the unit would change the keys of the training bundles it builds); and autotune entries,
-which torch keys differently in its local and remote caches.
+AOTAutograd entries are fed too, under the key a JIT user of a remote cache computes: their key
+hashes functorch's whole config, the remote-cache switch included, and the unit compiles with it
+off (turning it on would change the keys of the training bundles it builds), so the unit also
+computes each key with the switch on (`keying`) and publishes the entry under that one. Not fed:
+autotune entries, which torch keys differently in its local and remote caches.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from storage.remote_cache import KERNEL_PATH, MAX_PARTS
 OUTBOX = "jit-entries"
 INDEX = "index.json"
 FX_KEY = "pt2:fx-graph-v1::{key}:c1"  # torch's RedisRemoteCache key format, for cache id fx-graph-v1
-KEY = re.compile(rb"pt2:fx-graph-v1::[a-z0-9]{20,80}:c1")
+AUTOGRAD_KEY = "pt2:autograd-experimental::{key}:c1"  # …and for AOTAutograd's
+KEY = re.compile(rb"pt2:(fx-graph-v1|autograd-experimental)::[a-z0-9]{20,80}:c1")
 MAX_ENTRIES = 1000
 GM_HASH = re.compile(r"[a-z0-9]{8,128}")  # the graph's own hash in torch's key (remote_cache._graph_path)
 MAX_INDEX_BYTES = 4 << 20
@@ -44,8 +46,10 @@ MAX_BYTES = 512 << 20  # values and kernels of one unit together
 
 @contextlib.contextmanager
 def recording(workdir: Path) -> Iterator[None]:
-    """In the sandbox child, around a lowering: the FX graph entries and kernels it recorded go
-    to `workdir/jit-entries`."""
+    """In the sandbox child, around a lowering: the FX graph and AOTAutograd entries and the
+    kernels it recorded go to `workdir/jit-entries`."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch._aot_autograd import autograd_cache
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._inductor import codecache
     from torch._inductor.codecache import CppCodeCache
@@ -57,15 +61,32 @@ def recording(workdir: Path) -> Iterator[None]:
 
     used: set[str] = set()  # CppCodeCache keys of the kernels this unit compiled or reused
     command: list[str] = []  # how they are built: asked within the compile, where the target's ISA is pinned
-    recorded: list[tuple[str, bytes]] = []  # (FX graph key, its pickled graph)
-    parts: dict[str, dict[str, list[str]]] = {}  # FX graph key → what torch hashed into it
+    recorded: list[tuple[str, bytes]] = []  # (remote FX graph or AOTAutograd key, its pickled entry)
+    remote_keys: dict[str, str] = {}  # AOTAutograd key here → the key a remote-cache user computes
+    parts: dict[str, dict[str, list[str]]] = {}  # remote FX graph key → what torch hashed into it
     original_load = CppCodeCache.load_async.__func__  # type: ignore[attr-defined]
     original_serialize = CacheArtifactManager.serialize.__func__  # type: ignore[attr-defined]
     original_hash = codecache.compiled_fx_graph_hash
+    original_key = autograd_cache.autograd_cache_key
 
     def hashing(*args: Any, **kwargs: Any) -> Any:
         key, lines = original_hash(*args, **kwargs)
-        parts[key] = key_parts(lines)
+        parts[FX_KEY.format(key=key)] = key_parts(lines)
+        return key, lines
+
+    def keying(*args: Any, **kwargs: Any) -> Any:
+        key, lines = original_key(*args, **kwargs)
+        remote_keys[key] = key
+        if not functorch_config.enable_remote_autograd_cache:
+            # the same graph keyed as a JIT user of a remote cache keys it: the switch is the only
+            # difference, and it decides where entries are looked up, not what they hold. Its
+            # DEBUG lines stay unsaid: a training bundle records the keys that line names.
+            disabled, autograd_cache.log.disabled = autograd_cache.log.disabled, True
+            try:
+                with functorch_config.patch(enable_remote_autograd_cache=True):
+                    remote_keys[key] = original_key(*args, **kwargs)[0]
+            finally:
+                autograd_cache.log.disabled = disabled
         return key, lines
 
     keys: dict[int, str] = {}  # torch's cache, its loaders back to their keys (grown as it grows)
@@ -85,7 +106,10 @@ def recording(workdir: Path) -> Iterator[None]:
         return load
 
     def serializing(cls: Any) -> Any:  # the bundle is made: what it holds is read before torch clears it
-        recorded.extend((a.key, a.content) for a in cls._new_cache_artifacts.get("inductor", []))
+        made = cls._new_cache_artifacts
+        recorded.extend((FX_KEY.format(key=a.key), a.content) for a in made.get("inductor", []))
+        recorded.extend((AUTOGRAD_KEY.format(key=remote_keys[a.key]), a.content)
+                        for a in made.get("aot_autograd", []) if a.key in remote_keys)
         return original_serialize(cls)
 
     # An AOTAutograd hit (a graph this worker compiled before) loads its FX graphs by their keys
@@ -96,6 +120,7 @@ def recording(workdir: Path) -> Iterator[None]:
     CppCodeCache.load_async = classmethod(loading)  # type: ignore[method-assign]
     CacheArtifactManager.serialize = classmethod(serializing)  # type: ignore[method-assign]
     codecache.compiled_fx_graph_hash = hashing
+    autograd_cache.autograd_cache_key = keying
     if original_lookup is not None:
         AOTAutogradCache._lookup = staticmethod(lambda *args, **kwargs: None)  # type: ignore[method-assign]
     try:
@@ -106,6 +131,7 @@ def recording(workdir: Path) -> Iterator[None]:
         CppCodeCache.load_async = classmethod(original_load)  # type: ignore[method-assign]
         CacheArtifactManager.serialize = classmethod(original_serialize)  # type: ignore[method-assign]
         codecache.compiled_fx_graph_hash = original_hash
+        autograd_cache.autograd_cache_key = original_key
     root = Path(cache_dir())
     loaded = {name: str(root / name) for key in used
               if KERNEL_PATH.fullmatch(name := f"{key[1:3]}/{key}.main.so") and (root / name).is_file()}
@@ -126,8 +152,9 @@ def _write_outbox(outbox: Path, recorded: list[tuple[str, bytes]], loaded: dict[
             break
         value = {"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 0}
         (outbox / f"{n}.value").write_bytes(RemoteCacheJsonSerde().encode(value))
-        index.append({"key": FX_KEY.format(key=key), "value": f"{n}.value", "files": sorted(loaded),
-                      "facts": {"build_command": build_command}, "parts": parts.get(key, {})})
+        fx = key.startswith(FX_KEY.split("{")[0])  # an AOTAutograd entry names its FX graphs, which carry the kernels
+        index.append({"key": key, "value": f"{n}.value", "files": sorted(loaded) if fx else [],
+                      "facts": {"build_command": build_command} if fx else {}, "parts": parts.get(key, {})})
     (outbox / INDEX).write_text(json.dumps(index))
 
 
@@ -170,10 +197,12 @@ def read_outbox(outbox: Path) -> list[Entry]:
     for item in index:
         key = str(item.get("key", "")).encode() if isinstance(item, dict) else b""
         if not KEY.fullmatch(key):
-            raise ValueError(f"an entry's key {key[:100]!r} is not one of torch's FX graph keys")
+            raise ValueError(f"an entry's key {key[:100]!r} is not one of torch's FX graph or AOTAutograd keys")
         files = item.get("files") or []
         if not isinstance(files, list) or not all(isinstance(f, str) and KERNEL_PATH.fullmatch(f) for f in files):
             raise ValueError(f"entry {key[:80]!r} names files that are not Inductor kernels")
+        if files and not key.startswith(FX_KEY.split("{")[0].encode()):
+            raise ValueError(f"entry {key[:80]!r} ships kernels, and only FX graph entries carry them")
         facts = item.get("facts") or {}
         command = facts.get("build_command") if isinstance(facts, dict) else None
         if files and not (isinstance(command, list) and all(isinstance(t, str) for t in command)):
