@@ -14,8 +14,10 @@ against without it (goal: at most +10 %). The service's workers are started and 
 first measurement (a warm-up job), as on a farm that serves all day.
 
 Then a hit through the service: the whole `farm submit` process of an all-hit job, handed over
-through the store's inbox (no Ray in the client) and through Ray (`--address`), each against
-`python -c 'import torch'` (goal: at most 0.6).
+through the store's inbox, the store named (`--store`: no Ray in the client) and found from the
+cluster (`--address`: the service's store read from Ray's KV, no Ray driver started; then
+remembered on this machine, no Ray imported), each against `python -c 'import torch'` (goal: at
+most 0.6).
 
     .venv/bin/python bench/shared.py [--nightly 16 --nightly 64] [--workers 2] [--hit-only]
 """
@@ -92,18 +94,24 @@ def during(nightly: dict, interactive: dict, address: str) -> tuple[float, float
 
 def cli_hit(graphs: list[Path], address: str, store: Path, env: dict, tmp: Path) -> dict[str, float]:
     """The median wall time (of 5, interleaved, each in a fresh process) of `farm submit` of an
-    all-hit job handed to the service through its store's inbox (no Ray in the client), of the same
-    through Ray (`--address`), and of `python -c 'import torch'`."""
+    all-hit job handed to the service with its store named (`--store`), of the same with only the
+    cluster named (`--address`: on a machine that has not seen the cluster, which reads the
+    service's store from Ray's KV, and on one that remembers it), and of `python -c 'import torch'`."""
     import statistics
 
     spec = tmp / "hit.yaml"
     spec.write_text(json.dumps(job("hit", graphs, "interactive")))
     farm = [sys.executable, "-m", "farm", "submit", str(spec)]
-    commands = {"store inbox": [*farm, "--store", str(store)], "ray": [*farm, "--address", address],
+    known = Path(env["FARM_KNOWN_SERVICES"])  # where a client remembers each cluster's service (farm/service_client.py)
+    commands = {"--store": [*farm, "--store", str(store)],
+                "--address, first on this machine (the cluster's KV read)": [*farm, "--address", address],
+                "--address, remembered": [*farm, "--address", address],
                 "import torch": [sys.executable, "-c", "import torch"]}
     times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(5):
         for name, cmd in commands.items():
+            if "first" in name:
+                known.unlink(missing_ok=True)
             start = time.perf_counter()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
             times[name].append(time.perf_counter() - start)
@@ -121,8 +129,10 @@ def main() -> None:
     sizes = [] if args.hit_only else args.nightly or [16, 64]
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-shared-"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
-    os.environ.update({k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+           "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
+           "FARM_KNOWN_SERVICES": str(tmp / "known-services.json")}
+    os.environ.update({k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                                           "FARM_KNOWN_SERVICES")})
     ray = str(Path(sys.executable).parent / "ray")
     farm = [sys.executable, "-m", "farm"]
     resources = subprocess.run([*farm, "resources", "--slots", str(args.workers)], env=env, capture_output=True,

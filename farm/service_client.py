@@ -12,6 +12,7 @@ way, and `farm jobs` unless it is given the store (`jobs_in_store`).
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,13 +158,85 @@ def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
 def find(address: str | None, store: str | Store | None) -> Service | None:
     """The farm service to hand a job to: the one whose heartbeat is in the store (named, FARM_STORE,
     or with no cluster named, the default), reached through the inbox; else the one on the
-    cluster at address (or RAY_ADDRESS), through Ray; None if neither."""
-    if store is not None or os.environ.get("FARM_STORE") or not (address or os.environ.get("RAY_ADDRESS")):
-        s = open_store(store)
-        beat = ServiceInbox(s).alive()
-        if beat is not None:
-            return Service(None, {**beat, "store": s.uri})
+    cluster at address (or RAY_ADDRESS): through its store's inbox too where this process can
+    read that store, else through Ray; None if neither."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if store is not None or os.environ.get("FARM_STORE") or not address:
+        found = _beating(open_store(store))
+        if found is not None:
+            return found
+    elif address:
+        found = _inbox_of_cluster(address)
+        if found is not None:
+            return found
     return connect(address)
+
+
+def _beating(store: Store) -> Service | None:
+    beat = ServiceInbox(store).alive()
+    return None if beat is None else Service(None, {**beat, "store": store.uri})
+
+
+def _inbox_of_cluster(address: str) -> Service | None:
+    """The service on the cluster at address, through its store's inbox, if this process reaches
+    that store and it shows the service's heartbeat. The store is the one this machine found for
+    that address before (FARM_KNOWN_SERVICES, default ~/.cache/pt2-farm/services.json), if the
+    heartbeat there names the same cluster: no Ray imported at all. Else the one the service left in the cluster's KV (scheduler/ray_service.py).
+    A local store that is not on this machine is not opened (opening would create it here)."""
+    known = _known_services()
+    remembered = known.get(address)
+    if isinstance(remembered, dict) and isinstance(remembered.get("store"), str):
+        found = _beating_at(remembered["store"])
+        if found is not None and found.info.get("cluster") == remembered.get("cluster"):
+            return found
+    from scheduler.ray_session import service_store
+
+    asked = service_store(address)
+    if asked is None:
+        return None
+    found = _beating_at(asked[0])
+    if found is None or found.info.get("cluster") != asked[1]:
+        return None  # out of reach here, or watched by another cluster's service: the named one answers through Ray
+    known.pop(address, None)
+    _remember(dict([*list(known.items())[-(KNOWN_MAX - 1):], (address, {"store": asked[0], "cluster": asked[1]})]))
+    return found
+
+
+def _beating_at(uri: str) -> Service | None:
+    if uri.startswith("file://") and not Path(uri.removeprefix("file://")).is_dir():
+        return None
+    try:
+        return _beating(open_store(uri))
+    except Exception:  # no credentials for it here, or it does not answer: Ray is the other way in
+        return None
+
+
+KNOWN_MAX = 32  # clusters remembered
+
+
+def _known_file() -> Path:
+    return Path(os.environ.get("FARM_KNOWN_SERVICES") or "~/.cache/pt2-farm/services.json").expanduser()
+
+
+def _known_services() -> dict[str, Any]:
+    """address → {store, cluster}: where this machine found each cluster's farm service (a hint,
+    checked against the service's heartbeat before use)."""
+    try:
+        known = json.loads(_known_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remember(known: dict[str, Any]) -> None:
+    path = _known_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a hint only: the next submit reads the cluster's KV again
 
 
 def connect(address: str | None) -> Service | None:

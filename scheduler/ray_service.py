@@ -9,13 +9,14 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
 from scheduler.errors import ServiceError
+from scheduler.ray_session import NAMESPACE, SERVICE_STORE_KEY
 from scheduler.service import FarmScheduler
 from scheduler.service_config import CacheSecrets, ServiceConfig
 
 SERVICE = "farm-scheduler"
-NAMESPACE = "farm"
 START_S = 120.0  # a scheduler that has not answered by then is reported, and stopped
 CALL_S = 60.0
 
@@ -76,6 +77,9 @@ def start_service(store_uri: str, config: ServiceConfig, cache_secrets: CacheSec
     except ServiceError:
         ray.kill(actor, no_restart=True)
         raise
+    # where a client that names only the cluster finds the service's store (ray_session.service_store),
+    # and hands a job over through its inbox without starting a Ray driver
+    _internal_kv_put(SERVICE_STORE_KEY, info["store"].encode(), overwrite=True, namespace=NAMESPACE.encode())
     if info.get("cache_error"):
         stop_service()
         raise ServiceError(f"the farm service's remote cache could not start on {config.cache.host}:"
@@ -92,5 +96,6 @@ def stop_service() -> dict[str, Any]:
     try:
         said = call(actor, "stop")
     finally:
+        _internal_kv_del(SERVICE_STORE_KEY, namespace=NAMESPACE.encode())
         ray.kill(actor, no_restart=True)
     return said

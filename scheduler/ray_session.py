@@ -25,6 +25,8 @@ from scheduler.errors import JoinFailed
 from workers.backends import offered_resources
 
 PROBE_S = 3.0
+NAMESPACE = "farm"  # the farm's Ray namespace: its service's actor, and its keys in Ray's internal KV
+SERVICE_STORE_KEY = b"farm-scheduler/store"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,33 @@ def _answers(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def service_store(address: str) -> tuple[str, str] | None:
+    """The farm service's store URI, as the cluster at `address` keeps it in Ray's internal KV
+    (SERVICE_STORE_KEY, left there by scheduler/ray_service.py), and the cluster's id; read with
+    Ray's GCS client alone: a few milliseconds, where joining as a driver (`ray.init`) takes a
+    second and more. None when nothing answers, the token is refused or the key is absent: the
+    caller then joins, and a failure to join says why."""
+    from ray._raylet import GcsClient
+
+    target = _bootstrap(address)
+    if target is None or not _answers(*target):
+        return None
+    try:
+        gcs = GcsClient(address=f"{target[0]}:{target[1]}")
+        value = gcs.internal_kv_get(SERVICE_STORE_KEY, NAMESPACE.encode())
+        cluster = gcs.cluster_id.hex()
+    except Exception:  # Ray raises its own kinds (auth, RPC, timeouts), none of which this path needs to tell apart
+        return None
+    return (value.decode(), cluster) if isinstance(value, bytes) else None
+
+
+def cluster_id() -> str | None:
+    """The id of the cluster this process (a driver or an actor) is part of; None outside Ray."""
+    if not ray.is_initialized():
+        return None
+    return ray._private.worker.global_worker.gcs_client.cluster_id.hex()
 
 
 def _token_sources() -> str:
@@ -89,7 +118,7 @@ def _join(address: str):
     if target and not _answers(*target):  # Ray would retry for minutes before saying so
         raise JoinFailed(join_advice(address, target, False, "no answer"))
     try:
-        return ray.init(address=address, namespace="farm", log_to_driver=False)
+        return ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     except (ConnectionError, ValueError) as e:
         raise JoinFailed(join_advice(address, target, True, str(e).strip().splitlines()[0][:300])) from e
 
@@ -112,7 +141,7 @@ def ray_session(address: str | None, slots: int | None = None, metrics_port: int
         ctx = _join(address)
     else:
         slots = slots or os.cpu_count() or 1
-        ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace="farm",
+        ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace=NAMESPACE,
                        include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
                        log_to_driver=False, _metrics_export_port=metrics_port)
     url = ctx.dashboard_url

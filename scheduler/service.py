@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 from scheduler.fair import UnknownPriority, weight_of
 from scheduler.jobs import STATUS_FILE, NoEvents, empty_status, execute, new_job_id, read_status
+from scheduler.ray_session import cluster_id
 from scheduler.service_config import CacheSecrets, CacheSettings, ServiceConfig
 from scheduler.shared_pool import SharedPool
 from scheduler.spec import JobSpec, SpecError, is_local_source, parse_job
@@ -93,6 +94,7 @@ class FarmScheduler:
         self.metrics = ServiceMetrics()
         self.pool = SharedPool(RayCluster(), self.store.uri, config, on_start=self.metrics.started)
         self.started_at = now()
+        self.cluster = cluster_id()  # in its heartbeat: a client that remembers the cluster's store checks it
         self._lock = threading.Lock()
         self._active: dict[str, JobRecord] = {}
         self._ended: collections.deque[JobRecord] = collections.deque(maxlen=ENDED_SHOWN)
@@ -229,7 +231,8 @@ class FarmScheduler:
         while not self._halt.is_set():
             try:
                 if time.monotonic() >= next_beat:
-                    self.inbox.beat({"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid()})
+                    self.inbox.beat({"store": self.store.uri, "started_at": self.started_at, "pid": os.getpid(),
+                                     "cluster": self.cluster})
                     next_beat = time.monotonic() + BEAT_S
                 for entry in self.inbox.entries():
                     if self._halt.is_set():

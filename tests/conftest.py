@@ -41,9 +41,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session", autouse=True)
 def worker_disk_cache(tmp_path_factory) -> Path:
-    """Workers' local blob tier (FARM_CACHE_DIR) in a session directory, not in ~/.cache."""
+    """Workers' local blob tier (FARM_CACHE_DIR) and clients' known services in a session
+    directory, not in ~/.cache."""
     d = tmp_path_factory.mktemp("farm-disk-cache")
     os.environ["FARM_CACHE_DIR"] = str(d)
+    os.environ["FARM_KNOWN_SERVICES"] = str(d / "services.json")  # where clients remember each cluster's service
     return d
 
 

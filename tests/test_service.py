@@ -165,17 +165,49 @@ def test_cancel_stops_a_job_and_leaves_nothing_half_published(service, ray_clust
 def test_a_client_that_goes_away_leaves_its_job_running_and_imports_no_torch(service, ray_cluster, zoo_dir, tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text(json.dumps(_job(zoo_dir, ["mlp"], "orphan", verify={"atol": 0.5})))
-    code = ("import sys; from farm import client; "
+    code = ("import sys, ray; from farm import client; "
             f"h = client.submit({str(spec)!r}, address={ray_cluster.address!r}, wait=False); "
-            "print(h.job_id, 'torch' in sys.modules)")
+            "print(h.job_id, 'torch' in sys.modules, ray.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**ray_cluster.env})
     assert out.returncode == 0, out.stderr[-2000:]
-    job_id, torch_imported = out.stdout.split()[-2:]
-    assert torch_imported == "False"
+    job_id, torch_imported, joined = out.stdout.split()[-3:]
+    # it named only the cluster, read the service's store from it and used that store's inbox:
+    # no Ray driver started (a second of start-up) and none to leave behind
+    assert torch_imported == "False" and joined == "False"
     handle = client.job(job_id, service.store())
     assert _wait(handle)["state"] == "done"
     assert [r["status"] for r in read_results(handle.store, job_id)] in (["compiled"], ["hit"])
+
+
+def test_a_client_finds_the_services_store_from_the_cluster_and_goes_through_ray_where_it_cannot_reach_it(
+        service, ray_cluster, tmp_path, monkeypatch):
+    import os
+
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    from farm.service_client import find
+    from scheduler.ray_session import NAMESPACE, SERVICE_STORE_KEY
+
+    known = tmp_path / "services.json"
+    monkeypatch.setenv("FARM_KNOWN_SERVICES", str(known))
+    assert find(ray_cluster.address, None).via == "its store's inbox"  # read from the cluster's KV, then remembered
+    # …so the next client on this machine imports no Ray at all: it checks the heartbeat of the store it remembers
+    no_ray = ("import sys; sys.modules['ray'] = None; from farm.service_client import find; "
+              f"print(find({ray_cluster.address!r}, None).via)")
+    done = subprocess.run([sys.executable, "-c", no_ray], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "FARM_KNOWN_SERVICES": str(known)})
+    assert done.returncode == 0 and done.stdout.strip() == "its store's inbox", done.stderr[-2000:]
+
+    known.unlink()  # a machine that has not seen this cluster, where the service's store is out of reach
+    elsewhere = tmp_path / "on-the-head-node-only"  # a local store of another machine
+    _internal_kv_put(SERVICE_STORE_KEY, f"file://{elsewhere}".encode(), overwrite=True, namespace=NAMESPACE.encode())
+    try:
+        found = find(ray_cluster.address, None)
+        assert found.via == "Ray" and found.store_uri == service.store_uri
+        assert not elsewhere.exists() and not known.exists()  # not created here by looking, nor remembered
+    finally:
+        _internal_kv_put(SERVICE_STORE_KEY, service.store_uri.encode(), overwrite=True, namespace=NAMESPACE.encode())
 
 
 def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_dir, tmp_path):
