@@ -123,6 +123,23 @@ def _join(address: str):
         raise JoinFailed(join_advice(address, target, True, str(e).strip().splitlines()[0][:300])) from e
 
 
+@contextmanager
+def _loopback_kept() -> Iterator[None]:
+    """An embedded Ray on loopback only. Ray replaces a node IP of 127.0.0.1 by this host's address
+    (`services.resolve_ip_for_localhost`: 192.0.2.2 on the CI machines), and then its GCS, raylet,
+    workers and agents listen on every interface (Ray 2.60 binds gRPC to 127.0.0.1 only when the
+    node IP is exactly that). Kept as 127.0.0.1 while `ray.init` starts the node, every one of them
+    listens on loopback alone; the embedded Ray is this process's own, joined by no other machine."""
+    from ray._private import services
+
+    replace = services.resolve_ip_for_localhost
+    services.resolve_ip_for_localhost = lambda host: host if host == "127.0.0.1" else replace(host)
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = replace
+
+
 _CURRENT: list[RaySession] = []  # the session this process opened, while Ray is up
 
 
@@ -141,9 +158,10 @@ def ray_session(address: str | None, slots: int | None = None, metrics_port: int
         ctx = _join(address)
     else:
         slots = slots or os.cpu_count() or 1
-        ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace=NAMESPACE,
-                       include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
-                       log_to_driver=False, _metrics_export_port=metrics_port)
+        with _loopback_kept():
+            ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace=NAMESPACE,
+                           include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+                           log_to_driver=False, _metrics_export_port=metrics_port)
     url = ctx.dashboard_url
     session = RaySession(f"http://{url}" if url and not url.startswith("http") else url, embedded=not address,
                          address=ctx.address_info.get("gcs_address"))

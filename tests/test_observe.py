@@ -51,6 +51,9 @@ def test_the_embedded_ray_is_its_own_while_another_cluster_runs(api_session, ray
     _, seen = api_session
     assert seen["embedded"] == [True, True]  # the second submit reused the first one's Ray
     assert seen["gcs"][0] == seen["gcs"][1] and seen["gcs"][0] != ray_cluster.address
+    # …on loopback alone: its GCS, raylet, workers, dashboard and agents
+    assert len(seen["listening"]) >= 5 and {address for _, address, _ in seen["listening"]} == {"127.0.0.1"}, \
+        seen["listening"]
 
 
 def test_a_job_then_its_repeat_are_counted_in_rays_metrics(api_session):

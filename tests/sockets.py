@@ -1,0 +1,53 @@
+"""The TCP sockets a process tree listens on, read from /proc (Linux), for tests that check that
+what the farm starts listens on loopback alone."""
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+
+def descendants(root: int) -> set[int]:
+    """root and every process below it."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {root}, True
+    while grew:
+        below = {pid for pid, ppid in parent.items() if ppid in tree} - tree
+        tree |= below
+        grew = bool(below)
+    return tree
+
+
+def _address(hex_ip: str) -> str:
+    raw = bytes.fromhex(hex_ip)
+    # the kernel prints each 32-bit word in host (little-endian) order
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
+
+
+def listening(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket these processes hold."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                target = os.readlink(fd.path)
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in owner:  # LISTEN
+                ip, port = cols[1].split(":")
+                found.append((owner[cols[9]], _address(ip), int(port, 16)))
+    return found
