@@ -7,8 +7,9 @@ service's sandboxes, so nothing here imports torch.
 A job reaches the service through its store's inbox where the store shows the service's
 heartbeat (storage/service_jobs.py, ServiceInbox): that path needs no Ray, so a laptop or a CI
 runner with the store's credentials submits without joining the cluster, and without Ray's
-start-up. Otherwise through Ray, to the `farm-scheduler` actor; `farm cancel` always goes that
-way, and `farm jobs` unless it is given the store (`jobs_in_store`).
+start-up. A client that names only the cluster finds the store there (`_inbox_of_cluster`).
+Otherwise through Ray, to the `farm-scheduler` actor; `farm cancel` always goes that way, and
+`farm jobs` unless it is given the store (`jobs_in_store`).
 """
 from __future__ import annotations
 
@@ -180,9 +181,10 @@ def _beating(store: Store) -> Service | None:
 def _inbox_of_cluster(address: str) -> Service | None:
     """The service on the cluster at address, through its store's inbox, if this process reaches
     that store and it shows the service's heartbeat. The store is the one this machine found for
-    that address before (FARM_KNOWN_SERVICES, default ~/.cache/pt2-farm/services.json), if the
-    heartbeat there names the same cluster: no Ray imported at all. Else the one the service left in the cluster's KV (scheduler/ray_service.py).
-    A local store that is not on this machine is not opened (opening would create it here)."""
+    that address before (FARM_KNOWN_SERVICES, default ~/.cache/pt2-farm/services.json) if the
+    heartbeat there names the same cluster: no Ray imported at all. Else the one the service left
+    in the cluster's KV (scheduler/ray_service.py). A local store that is not on this machine is
+    not opened (opening would create it here)."""
     known = _known_services()
     remembered = known.get(address)
     if isinstance(remembered, dict) and isinstance(remembered.get("store"), str):

@@ -35,7 +35,8 @@ from storage.remote_cache import KERNEL_PATH, MAX_PARTS
 
 OUTBOX = "jit-entries"
 INDEX = "index.json"
-FX_KEY = "pt2:fx-graph-v1::{key}:c1"  # torch's RedisRemoteCache key format, for cache id fx-graph-v1
+FX_PREFIX = "pt2:fx-graph-v1::"  # torch's RedisRemoteCache key format, for cache id fx-graph-v1
+FX_KEY = FX_PREFIX + "{key}:c1"
 AUTOGRAD_KEY = "pt2:autograd-experimental::{key}:c1"  # …and for AOTAutograd's
 KEY = re.compile(rb"pt2:(fx-graph-v1|autograd-experimental)::[a-z0-9]{20,80}:c1")
 MAX_ENTRIES = 1000
@@ -152,7 +153,7 @@ def _write_outbox(outbox: Path, recorded: list[tuple[str, bytes]], loaded: dict[
             break
         value = {"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 0}
         (outbox / f"{n}.value").write_bytes(RemoteCacheJsonSerde().encode(value))
-        fx = key.startswith(FX_KEY.split("{")[0])  # an AOTAutograd entry names its FX graphs, which carry the kernels
+        fx = key.startswith(FX_PREFIX)  # an AOTAutograd entry names its FX graphs, which carry the kernels
         index.append({"key": key, "value": f"{n}.value", "files": sorted(loaded) if fx else [],
                       "facts": {"build_command": build_command} if fx else {}, "parts": parts.get(key, {})})
     (outbox / INDEX).write_text(json.dumps(index))
@@ -201,7 +202,7 @@ def read_outbox(outbox: Path) -> list[Entry]:
         files = item.get("files") or []
         if not isinstance(files, list) or not all(isinstance(f, str) and KERNEL_PATH.fullmatch(f) for f in files):
             raise ValueError(f"entry {key[:80]!r} names files that are not Inductor kernels")
-        if files and not key.startswith(FX_KEY.split("{")[0].encode()):
+        if files and not key.startswith(FX_PREFIX.encode()):
             raise ValueError(f"entry {key[:80]!r} ships kernels, and only FX graph entries carry them")
         facts = item.get("facts") or {}
         command = facts.get("build_command") if isinstance(facts, dict) else None
