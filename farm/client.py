@@ -30,7 +30,7 @@ from scheduler.fair import weight_of
 from scheduler.spec import JobSpec
 from storage import Store, UnknownKey
 from storage.results import read_results_table
-from storage.service_jobs import ServiceInbox, ServiceJobs
+from storage.service_jobs import JOB_ID, ServiceInbox, ServiceJobs
 from storage.stats import STATS_FILE
 
 __all__ = ["FarmCache", "JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned",
@@ -52,9 +52,14 @@ class UnknownJob(ValueError):
 
 
 def resolve_job(store: Store, text: str) -> str:
-    """A job id, or a unique prefix of one."""
+    """A job id, or a unique prefix of one. A job handed to a farm service through the store's
+    inbox counts from then on: `farm submit --detach` prints its id before the service takes it."""
     ids = store.job_ids()
     if text in ids:
+        return text
+    # the service records a job before it removes the inbox's entry: asked in this order, no gap
+    if JOB_ID.fullmatch(text) and (ServiceInbox(store).waiting(text) or ServiceJobs(store).get(text) is not None
+                                   or text in store.job_ids()):
         return text
     found = [j for j in ids if j.startswith(text)]
     if len(found) != 1:

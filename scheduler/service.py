@@ -176,9 +176,14 @@ class FarmScheduler:
         return rows
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        with self._lock:
-            record = self._active.get(job_id)
-            ended = next((r for r in self._ended if r.job_id == job_id), None)
+        record, ended = self._known(job_id)
+        if record is None and ended is None and self.inbox.waiting(job_id):
+            # handed over through the store a moment ago (`farm submit --detach`, then cancel):
+            # the inbox's watcher takes it within a poll, and it is cancelled like any other
+            deadline = time.monotonic() + max(10.0, 20 * self._inbox_poll_s)
+            while self.inbox.waiting(job_id) and time.monotonic() < deadline:
+                time.sleep(self._inbox_poll_s)
+            record, ended = self._known(job_id)
         if record is None:
             if ended is not None:
                 return {"error": f"job {job_id} already ended ({ended.state}); nothing to cancel"}
@@ -186,6 +191,11 @@ class FarmScheduler:
         record.state = "cancelled"
         self.records.put(record)
         return {"job_id": job_id, "units_stopped": self.pool.cancel(job_id)}
+
+    def _known(self, job_id: str) -> tuple[JobRecord | None, JobRecord | None]:
+        """The job, running or queued here; or recently ended."""
+        with self._lock:
+            return self._active.get(job_id), next((r for r in self._ended if r.job_id == job_id), None)
 
     def stop(self) -> dict[str, Any]:
         """End the service: every unit queued or running ends failed (retryable) and every active

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from storage import store_from_uri
 from storage.service_jobs import ALIVE, INBOX, INBOX_MAX_BYTES, ServiceInbox
 
 
@@ -42,3 +43,17 @@ def test_the_heartbeat_says_whether_a_service_watches_the_store(store):
     assert inbox.alive() is None and inbox.last_beat() is not None  # a service that stopped beating
     inbox.stop_beating()
     assert inbox.alive() is None and inbox.last_beat() is None
+
+
+def test_a_job_waiting_in_the_inbox_is_found_by_its_id(tmp_path):
+    """`farm submit --detach` prints the id before the service takes the job: `farm status ID`
+    (client.job) finds it there, queued, and says when no service watches the store."""
+    from farm.client import UnknownJob, job
+
+    store = store_from_uri(str(tmp_path / "store"))
+    job_id = "mine-20261126-000000-abcd"
+    ServiceInbox(store).post(job_id, {"graphs": ["blob://sha256/" + "a" * 64], "targets": ["core-aten"]}, None)
+    doc = job(job_id, store).status()
+    assert doc["state"] == "queued" and "no farm service watches" in doc["error"]
+    with pytest.raises(UnknownJob, match="no job"):
+        job("../mine-20261126-000000-abcd", store)  # only ids of the inbox's own shape are looked up there
