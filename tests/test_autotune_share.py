@@ -3,6 +3,7 @@ benchmarked again on another worker of the same device class."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,11 +20,18 @@ TARGET = {"backend": "aoti-cpu", "options": {"max_autotune": True, "freezing": T
 
 
 def _run_on_a_fresh_worker(graph, store: str, tmp_path, name: str) -> dict:
-    """`farm run` in its own process with its own Inductor cache: another machine, as far as
-    Inductor can tell."""
+    """`farm run` in its own process on an Inductor cache with no autotuning timings in it:
+    another machine, as far as autotuning can tell. The cache dir is the test's own, shared by
+    its runs, so a later run finds the precompiled headers and C++ kernels an earlier one built
+    (each would cost a new machine seconds of g++, and say nothing about timings); the timings
+    (Inductor's local autotune cache, `cache/` in each sandbox's part of the dir) are removed
+    first."""
     job = tmp_path / f"{name}.yaml"
     job.write_text(yaml.safe_dump({"name": name, "graphs": [str(graph)], "targets": [TARGET]}))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
+    inductor = tmp_path / "inductor"
+    for timings in inductor.glob("**/cache"):
+        shutil.rmtree(timings)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     proc = subprocess.run([sys.executable, "-m", "farm", "run", str(job), "--store", store],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -44,11 +44,24 @@ def _serve(store_uri: str, tokens: Path, **kw) -> CacheServer:
     return server
 
 
-def _jit_step(url: str | None = None, **env: str) -> dict:
+@pytest.fixture(scope="module")
+def built_kernels(tmp_path_factory) -> Path:
+    """An Inductor cache dir whose C++ kernels (and ISA probes) the processes that use it share."""
+    return tmp_path_factory.mktemp("inductor-kernels")
+
+
+def _jit_step(url: str | None = None, kernels: Path | None = None, **env: str) -> dict:
     """tests/jit_step.py in a fresh process with an empty local Inductor cache: its remote caches
     set by the environment alone (`url`), or the farm's through use_farm_cache (FARM_CACHE_*).
-    Its stderr is kept as "stderr"."""
+    Its stderr is kept as "stderr". With `kernels` (built_kernels), that cache dir, its FX graph
+    and AOTAutograd caches emptied first: the process misses or hits those as a fresh one does,
+    and loads the C++ kernels an earlier one built instead of running g++ again (seconds each), for
+    tests about what the remote caches hold, not about kernel builds."""
     cache = Path(os.environ.get("TMPDIR", "/tmp")) / f"jit-cache-{os.getpid()}-{time.monotonic_ns()}"
+    if kernels is not None:
+        for local in ("fxgraph", "aotautograd"):  # torch's local caches of these kinds (codecache, autograd_cache)
+            shutil.rmtree(kernels / local, ignore_errors=True)
+        cache = kernels
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("FARM_SIGNING", "FARM_VERIFY"))},
            "TORCHINDUCTOR_CACHE_DIR": str(cache), **env}
     if url is not None:
@@ -58,14 +71,15 @@ def _jit_step(url: str | None = None, **env: str) -> dict:
         out = subprocess.run([sys.executable, str(ROOT / "tests" / "jit_step.py")], env=env, capture_output=True,
                              text=True, timeout=300, stdin=subprocess.DEVNULL, cwd=ROOT)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        if kernels is None:
+            shutil.rmtree(cache, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
-def _fill_then_hit(url_writer: str, url_reader: str) -> tuple[dict, dict]:
-    cold = _jit_step(url_writer)
-    warm = _jit_step(url_reader)
+def _fill_then_hit(url_writer: str, url_reader: str, kernels: Path) -> tuple[dict, dict]:
+    cold = _jit_step(url_writer, kernels)
+    warm = _jit_step(url_reader, kernels)
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and cold["aot_autograd"].get("autograd_cache_saved") == 1
     # every graph (forward and backward) from the remote cache, none compiled; the same gradients
     assert warm["inductor"].get("fxgraph_cache_hit") == cold["inductor"]["fxgraph_cache_miss"], warm
@@ -76,17 +90,19 @@ def _fill_then_hit(url_writer: str, url_reader: str) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "s3", "redis-server"])
-def test_stock_torch_fills_the_cache_and_a_fresh_process_hits_every_graph(backend, tokens, tmp_path, request):
+def test_stock_torch_fills_the_cache_and_a_fresh_process_hits_every_graph(backend, tokens, tmp_path, request,
+                                                                          built_kernels):
     """The farm's endpoint on a local store and on SeaweedFS, and Debian's redis-server beside them:
     torch's counters must say the same of each (`_fill_then_hit`), which shows we speak what torch
     expects, not what we assumed."""
     if backend == "redis-server":
-        _beside_a_real_redis()
+        _beside_a_real_redis(built_kernels)
         return
     uri = str(tmp_path / "store") if backend == "local" else request.getfixturevalue("s3_uri")
     server = _serve(uri, tokens)
     try:
-        _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}", f"redis://alice:{READER}@127.0.0.1:{server.port}")
+        _fill_then_hit(f"redis://ci:{WRITER}@127.0.0.1:{server.port}", f"redis://alice:{READER}@127.0.0.1:{server.port}",
+                       built_kernels)
         stats = server.entries.stats()
     finally:
         server.stop()
@@ -95,7 +111,7 @@ def test_stock_torch_fills_the_cache_and_a_fresh_process_hits_every_graph(backen
     assert any(p.startswith("remote-cache/fx-graph-v1/") for p in store.backend.list("remote-cache/"))
 
 
-def _beside_a_real_redis() -> tuple[dict, dict]:
+def _beside_a_real_redis(kernels: Path) -> tuple[dict, dict]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("Debian's redis-server is not installed (./dev installs it where it runs as root)")
@@ -107,13 +123,14 @@ def _beside_a_real_redis() -> tuple[dict, dict]:
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.1)
-        return _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}")
+        return _fill_then_hit(f"redis://127.0.0.1:{port}", f"redis://127.0.0.1:{port}", kernels)
     finally:
         redis.kill()
 
 
 @pytest.mark.slow
-def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_entries(tokens, tmp_path, monkeypatch):
+def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_entries(tokens, tmp_path, monkeypatch,
+                                                                                       built_kernels):
     from storage.signing import keygen
 
     signing, verify = keygen(tmp_path / "keys")
@@ -141,7 +158,8 @@ def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_en
     unsigned = json.loads(entries.read(autograd[0]))
     del unsigned["signature"]
     entries.write(autograd[0], json.dumps(unsigned).encode())
-    checked = _jit_step(FARM_CACHE_STORE=store, FARM_CACHE_WRITE="0", FARM_VERIFY_KEY=str(verify))
+    # refused, so compiled here: its kernels may come from the local cache (what is asked is what it refused)
+    checked = _jit_step(kernels=built_kernels, FARM_CACHE_STORE=store, FARM_CACHE_WRITE="0", FARM_VERIFY_KEY=str(verify))
     assert checked["farm"]["refused"] == 2 and checked["grads"] == cold["grads"]  # compiled here instead
     assert checked["aot_autograd"].get("autograd_cache_miss") == 1 and checked["inductor"].get("fxgraph_cache_miss", 0) >= 1
     refusals = [line for line in checked["stderr"].splitlines() if "farm cache: refused" in line]
