@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from farm.jit_cache import FarmCache, use_farm_cache
 from farm.service_client import job_spec
 from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
@@ -38,12 +37,16 @@ __all__ = ["FarmCache", "JobHandle", "UnknownJob", "WarmStartError", "fetch", "j
 
 
 def __getattr__(name: str):
-    """load_compiled and load_tuned import torch: only when asked for, so submitting to a farm
-    service imports none."""
+    """load_compiled and load_tuned import torch, and use_farm_cache what a training process
+    needs: only when asked for, so submitting to a farm service imports none of it."""
     if name in ("load_compiled", "load_tuned"):
         from farm import loading
 
         return getattr(loading, name)
+    if name in ("FarmCache", "use_farm_cache"):
+        from farm import jit_cache
+
+        return getattr(jit_cache, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
-from unittest import mock
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -80,13 +79,27 @@ def childrens(cache: Path) -> Path:
 
 
 @contextlib.contextmanager
+def environ_set(name: str, value: str) -> Iterator[None]:
+    """This process's environment variable `name` set to `value` inside, as it was after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+@contextlib.contextmanager
 def as_childrens_cache(jailed: bool) -> Iterator[None]:
     """Inductor's cache dir, in this process, set to the one the sandbox's children use, for what
     the worker writes there for them (the farm's autotune timings, in Inductor's local timing
     file); what it wrote, a jailed child of another uid may rewrite."""
     path = str(childrens(Path(inductor_cache_dir()))) if jailed else inductor_cache_dir()
     try:
-        with mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path):
+        with environ_set("TORCHINDUCTOR_CACHE_DIR", path):
             yield
     finally:
         if jailed:

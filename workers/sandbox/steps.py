@@ -8,7 +8,6 @@ check), so a unit loads its graph once.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +24,7 @@ from workers.check.verify import VerifyReport, verify
 from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
 from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
+from workers.sandbox.env import environ_set
 from workers.sandbox.program import ProgramError, load_program, program_identity, weights_digest
 from workers.trace import torch_trace
 from workers.unit import Unit
@@ -48,15 +48,8 @@ def unpacked_in(unit_dir: Path) -> Iterator[None]:
     import tempfile
 
     tempfile.gettempdir()  # settled before TMPDIR moves, if nothing asked yet
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(unit_dir)
-    try:
+    with environ_set("TMPDIR", str(unit_dir)):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
 
 
 @contextlib.contextmanager
