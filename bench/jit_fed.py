@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,10 +86,10 @@ def main() -> None:
         for case in ("fx+aot", "fx only", "cold"):
             if case == "fx only":
                 shutil.rmtree(store_dir / "remote-cache" / "autograd-experimental")
-            runs = [_reader("-" if case == "cold" else str(store_dir), programs[name], isa,
-                            tmp / f"inductor-{name}-{case.replace(' ', '-')}-{i}") for i in range(args.runs)]
-            results[case] = {**min(runs, key=lambda r: abs(r["seconds"] - statistics.median(x["seconds"] for x in runs))),
-                             "seconds": statistics.median(r["seconds"] for r in runs)}
+            runs = sorted((_reader("-" if case == "cold" else str(store_dir), programs[name], isa,
+                                   tmp / f"inductor-{name}-{case.replace(' ', '-')}-{i}") for i in range(args.runs)),
+                          key=lambda r: r["seconds"])
+            results[case] = runs[(len(runs) - 1) // 2]  # the median run (the lower one of an even count)
         for case, r in results.items():
             print(f"{name:14} {case:8} {r['seconds']:6.2f} s  FX hits {r['fx_hit']} misses {r['fx_miss']}, "
                   f"AOTAutograd hits {r['aot_hit']} misses {r['aot_miss']}")

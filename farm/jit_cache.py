@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from farm.jit_kernels import install_kernels, read_files, record_loaded_kernels
-from farm.jit_keys import FX_KIND, explain_miss, fx_id, record_key_parts
-from storage.remote_cache import PROBE_PATH
+from farm.jit_keys import explain_miss, fx_id, record_key_parts
+from storage.remote_cache import AUTOGRAD_KIND, FX_KIND, PROBE_PATH, remote_key
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache",
 # a training graph's lazy backward compile): their misses take leases. An autotune miss is looked up as a kernel first runs, after the
 # compile, and is put only if the kernel had configs to benchmark (on a GPU, a lease held for
 # the run kept other ranks waiting on a key that never came).
-AUTOGRAD_KIND = "autograd-experimental"
 PROBES_KIND = "farm-isa-probes-v1"  # Inductor's ISA probes, an entry per toolchain
 LEASED_KINDS = (FX_KIND, AUTOGRAD_KIND, PROBES_KIND)
 
@@ -409,7 +408,7 @@ def _probes_key() -> bytes:
     from workers.backends import kernels
 
     names = sorted(Path(p).name for isa in supported_vec_isa_list if (p := kernels.isa_probe_path(str(isa))))
-    return f"pt2:{PROBES_KIND}::".encode() + hashlib.sha256("\n".join(names).encode()).hexdigest().encode() + b":c1"
+    return remote_key(PROBES_KIND, hashlib.sha256("\n".join(names).encode()).hexdigest()).encode()
 
 
 def _install_probes(cache: FarmCache, source: _Source) -> None:

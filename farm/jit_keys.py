@@ -8,11 +8,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from storage.remote_cache import key_parts
+from storage.remote_cache import FX_KIND, key_parts
 
 log = logging.getLogger("farm.jit_cache")
 
-FX_KIND = "fx-graph-v1"
 KEPT_PARTS = 256  # keys whose parts a process keeps
 
 

@@ -160,17 +160,14 @@ def find(address: str | None, store: str | Store | None) -> Service | None:
     """The farm service to hand a job to: the one whose heartbeat is in the store (named, FARM_STORE,
     or with no cluster named, the default), reached through the inbox; else the one on the
     cluster at address (or RAY_ADDRESS): through its store's inbox too where this process can
-    read that store, else through Ray; None if neither."""
+    read that store, else through Ray; None if neither. Raises JoinFailed where nothing answers
+    at the address."""
     address = address or os.environ.get("RAY_ADDRESS")
     if store is not None or os.environ.get("FARM_STORE") or not address:
         found = _beating(open_store(store))
-        if found is not None:
-            return found
-    elif address:
+    else:
         found = _inbox_of_cluster(address)
-        if found is not None:
-            return found
-    return connect(address)
+    return found if found is not None else connect(address)
 
 
 def _beating(store: Store) -> Service | None:
@@ -200,7 +197,8 @@ def _inbox_of_cluster(address: str) -> Service | None:
     if found is None or found.info.get("cluster") != asked[1]:
         return None  # out of reach here, or watched by another cluster's service: the named one answers through Ray
     known.pop(address, None)
-    _remember(dict([*list(known.items())[-(KNOWN_MAX - 1):], (address, {"store": asked[0], "cluster": asked[1]})]))
+    known[address] = {"store": asked[0], "cluster": asked[1]}
+    _remember(dict(list(known.items())[-KNOWN_MAX:]))  # the latest found
     return found
 
 

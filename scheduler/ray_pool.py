@@ -22,6 +22,7 @@ from scheduler.gang_actor import GangMember
 from scheduler.gang_warm import WarmRanks
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from scheduler.ray_actors import CompileWorker
+from scheduler.ray_session import NAMESPACE
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
 from workers.errors import summary
@@ -61,9 +62,9 @@ class RayCluster:
                      all(n["Resources"].get(r, 0) >= q for r, q in placement.resources.items())]
             if not nodes:
                 raise RuntimeError(f"no node offers {placement.resources}")
-            return _RemoteWorker.options(name=name, namespace="farm", num_cpus=0, scheduling_strategy=(
+            return _RemoteWorker.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=(
                 NodeAffinitySchedulingStrategy(nodes[0], soft=False))).remote(store_uri, limits, device)
-        return _RemoteWorker.options(name=name, namespace="farm", num_cpus=placement.cpus, num_gpus=placement.gpus,
+        return _RemoteWorker.options(name=name, namespace=NAMESPACE, num_cpus=placement.cpus, num_gpus=placement.gpus,
                                      resources=placement.resources).remote(store_uri, limits, device)
 
     def ready(self, actor: Any) -> Any:
@@ -169,7 +170,7 @@ class GangRunner:
                 if warm:
                     return self._warm_rank(warm, gang, r, nodes[r], device, store_uri)
                 return _RemoteGangMember.options(
-                    name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace="farm", num_cpus=bundle["CPU"],
+                    name=f"{self.job_id}/gang/{gang.label}/rank{r}", namespace=NAMESPACE, num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0), resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
                 ).remote(store_uri, gang.ranks[r].target, gang.ranks[r].limits, device, r, gang.reader_of(r) == r,
@@ -198,7 +199,7 @@ class GangRunner:
             actor.begin.remote(store_uri, unit.target, unit.limits, r, gang.identical)
         else:
             actor = _RemoteGangMember.options(
-                name=warm.new_name(), namespace="farm", num_cpus=0,
+                name=warm.new_name(), namespace=NAMESPACE, num_cpus=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(store_uri, unit.target, unit.limits, device, r, reads, gang.identical)
         warm.lend(actor, shape)

@@ -59,12 +59,12 @@ def service_store(address: str) -> tuple[str, str] | None:
     """The farm service's store URI, as the cluster at `address` keeps it in Ray's internal KV
     (SERVICE_STORE_KEY, left there by scheduler/ray_service.py), and the cluster's id; read with
     Ray's GCS client alone: a few milliseconds, where joining as a driver (`ray.init`) takes a
-    second and more. None when nothing answers, the token is refused or the key is absent: the
-    caller then joins, and a failure to join says why."""
+    second and more. None when the token is refused or the key is absent: the caller then joins,
+    and a failure to join says why; JoinFailed, as for a join, when nothing answers there."""
     from ray._raylet import GcsClient
 
-    target = _bootstrap(address)
-    if target is None or not _answers(*target):
+    target = _answering(address)
+    if target is None:
         return None
     try:
         gcs = GcsClient(address=f"{target[0]}:{target[1]}")
@@ -113,10 +113,17 @@ def join_advice(address: str, target: tuple[str, int] | None, answered: bool, ca
     return "\n".join(lines)
 
 
-def _join(address: str):
+def _answering(address: str) -> tuple[str, int] | None:
+    """Where Ray will connect for `address` (None if it cannot tell); JoinFailed, saying what to
+    do, when nothing answers there (Ray would retry for minutes before saying so)."""
     target = _bootstrap(address)
-    if target and not _answers(*target):  # Ray would retry for minutes before saying so
+    if target and not _answers(*target):
         raise JoinFailed(join_advice(address, target, False, "no answer"))
+    return target
+
+
+def _join(address: str):
+    target = _answering(address)
     try:
         return ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     except (ConnectionError, ValueError) as e:

@@ -51,6 +51,15 @@ def key_parts(lines: list[str]) -> dict[str, list[str]]:
     return parts
 
 
+FX_KIND = "fx-graph-v1"  # torch's cache ids: its FX graph cache…
+AUTOGRAD_KIND = "autograd-experimental"  # …and its AOTAutograd cache
+
+
+def remote_key(kind: str, key: str) -> str:
+    """The key torch's RedisRemoteCache stores an entry of cache `kind` under."""
+    return f"pt2:{kind}::{key}:c1"
+
+
 def kind_of(key: bytes) -> str:
     """Which of torch's caches a key is for (`fx-graph-v1`, ...), or `other`."""
     m = _CACHE_ID.match(key)

@@ -80,8 +80,6 @@ def _check_free_space(data_dir: Path) -> None:
     """SeaweedFS marks every volume read-only below 1 % of the disk free (`weed mini` offers no
     flag for it), and S3 writes then stall instead of failing: a full disk hung the suite until
     pytest-timeout ended each test. Say so before starting."""
-    import shutil
-
     usage = shutil.disk_usage(data_dir)
     needed = usage.total // 100 + (NEEDED_GIB << 30)
     if usage.free < needed:

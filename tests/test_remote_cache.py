@@ -57,11 +57,9 @@ def _jit_step(url: str | None = None, kernels: Path | None = None, **env: str) -
     and AOTAutograd caches emptied first: the process misses or hits those as a fresh one does,
     and loads the C++ kernels an earlier one built instead of running g++ again (seconds each), for
     tests about what the remote caches hold, not about kernel builds."""
-    cache = Path(os.environ.get("TMPDIR", "/tmp")) / f"jit-cache-{os.getpid()}-{time.monotonic_ns()}"
-    if kernels is not None:
-        for local in ("fxgraph", "aotautograd"):  # torch's local caches of these kinds (codecache, autograd_cache)
-            shutil.rmtree(kernels / local, ignore_errors=True)
-        cache = kernels
+    cache = kernels or Path(os.environ.get("TMPDIR", "/tmp")) / f"jit-cache-{os.getpid()}-{time.monotonic_ns()}"
+    for local in ("fxgraph", "aotautograd") if kernels else ():  # torch's local caches of these kinds
+        shutil.rmtree(kernels / local, ignore_errors=True)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("FARM_SIGNING", "FARM_VERIFY"))},
            "TORCHINDUCTOR_CACHE_DIR": str(cache), **env}
     if url is not None:

@@ -31,14 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from storage.remote_cache import KERNEL_PATH, MAX_PARTS
+from storage.remote_cache import AUTOGRAD_KIND, FX_KIND, KERNEL_PATH, MAX_PARTS, kind_of, remote_key
 
 OUTBOX = "jit-entries"
 INDEX = "index.json"
-FX_PREFIX = "pt2:fx-graph-v1::"  # torch's RedisRemoteCache key format, for cache id fx-graph-v1
-FX_KEY = FX_PREFIX + "{key}:c1"
-AUTOGRAD_KEY = "pt2:autograd-experimental::{key}:c1"  # …and for AOTAutograd's
-KEY = re.compile(rb"pt2:(fx-graph-v1|autograd-experimental)::[a-z0-9]{20,80}:c1")
+KEY = re.compile(rf"pt2:({FX_KIND}|{AUTOGRAD_KIND})::[a-z0-9]{{20,80}}:c1".encode())
 MAX_ENTRIES = 1000
 GM_HASH = re.compile(r"[a-z0-9]{8,128}")  # the graph's own hash in torch's key (remote_cache._graph_path)
 MAX_INDEX_BYTES = 4 << 20
@@ -72,7 +69,7 @@ def recording(workdir: Path) -> Iterator[None]:
 
     def hashing(*args: Any, **kwargs: Any) -> Any:
         key, lines = original_hash(*args, **kwargs)
-        parts[FX_KEY.format(key=key)] = key_parts(lines)
+        parts[remote_key(FX_KIND, key)] = key_parts(lines)
         return key, lines
 
     def keying(*args: Any, **kwargs: Any) -> Any:
@@ -108,8 +105,8 @@ def recording(workdir: Path) -> Iterator[None]:
 
     def serializing(cls: Any) -> Any:  # the bundle is made: what it holds is read before torch clears it
         made = cls._new_cache_artifacts
-        recorded.extend((FX_KEY.format(key=a.key), a.content) for a in made.get("inductor", []))
-        recorded.extend((AUTOGRAD_KEY.format(key=remote_keys[a.key]), a.content)
+        recorded.extend((remote_key(FX_KIND, a.key), a.content) for a in made.get("inductor", []))
+        recorded.extend((remote_key(AUTOGRAD_KIND, remote_keys[a.key]), a.content)
                         for a in made.get("aot_autograd", []) if a.key in remote_keys)
         return original_serialize(cls)
 
@@ -153,7 +150,7 @@ def _write_outbox(outbox: Path, recorded: list[tuple[str, bytes]], loaded: dict[
             break
         value = {"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 0}
         (outbox / f"{n}.value").write_bytes(RemoteCacheJsonSerde().encode(value))
-        fx = key.startswith(FX_PREFIX)  # an AOTAutograd entry names its FX graphs, which carry the kernels
+        fx = kind_of(key.encode()) == FX_KIND  # an AOTAutograd entry names its FX graphs, which carry the kernels
         index.append({"key": key, "value": f"{n}.value", "files": sorted(loaded) if fx else [],
                       "facts": {"build_command": build_command} if fx else {}, "parts": parts.get(key, {})})
     (outbox / INDEX).write_text(json.dumps(index))
@@ -202,7 +199,7 @@ def read_outbox(outbox: Path) -> list[Entry]:
         files = item.get("files") or []
         if not isinstance(files, list) or not all(isinstance(f, str) and KERNEL_PATH.fullmatch(f) for f in files):
             raise ValueError(f"entry {key[:80]!r} names files that are not Inductor kernels")
-        if files and not key.startswith(FX_PREFIX.encode()):
+        if files and kind_of(key) != FX_KIND:
             raise ValueError(f"entry {key[:80]!r} ships kernels, and only FX graph entries carry them")
         facts = item.get("facts") or {}
         command = facts.get("build_command") if isinstance(facts, dict) else None
