@@ -10,6 +10,10 @@ in /tmp whatever the cache dir, is built by a warm-up run first, so every case f
                  another process (a writer token) filled it
   redis, stock   the same against Debian's redis-server, side by side (skipped if absent)
   use_farm_cache farm.client.use_farm_cache through cache-serve, after a writer filled the store
+  fresh machine  cold, stock torch against cache-serve and use_farm_cache again, each with an
+                 empty /tmp, where Inductor's precompiled header is not built yet: stock torch
+                 builds it even when it hits every graph (about 4 CPU-s of g++), use_farm_cache
+                 only when it builds a kernel
   4 ranks        four processes at once on a cold farm cache (use_farm_cache, writers): their
                  compile CPU-seconds together (from their first step on: waits and loads
                  included, torch's import not) against one cold process's; and whole processes;
@@ -125,13 +129,19 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["gpt", "encoder_block"])
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="farm-bench-remote-cache-"))
+    try:
+        _bench(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
+
+def _bench(args: argparse.Namespace, root: Path) -> None:
     from storage import store_from_uri
     from storage.cache_server import CacheServer
     from storage.cache_tokens import read_tokens
     from storage.remote_cache import CacheEntries
 
-    root = Path(tempfile.mkdtemp(prefix="farm-bench-remote-cache-"))
     token = "t" * 32
     tokens = root / "tokens"
     tokens.write_text(f"bench write {token}\n")
@@ -160,6 +170,11 @@ def main() -> None:
             redis.kill()
     _run(args, root, BENCH_FARM_STORE=str(stores["farm"]), BENCH_FARM_WRITE="1")  # CI fills it
     farm_client = _run(args, root, BENCH_FARM_URL=url["farm"])
+    # a fresh machine: /tmp without Inductor's precompiled header, which stock torch builds even on a hit
+    fresh = lambda: tempfile.mkdtemp(prefix="fresh-tmp-", dir=root)  # noqa: E731
+    fresh_cold = _run(args, root, TMPDIR=fresh())
+    fresh_stock = _run(args, root, TMPDIR=fresh(), **_stock(url["stock"]))
+    fresh_farm = _run(args, root, TMPDIR=fresh(), BENCH_FARM_URL=url["farm"])
     one = _run(args, root, BENCH_FARM_STORE=str(root / "store-one"), BENCH_FARM_WRITE="1")
     ranks = [_start(args, root, {"BENCH_FARM_STORE": str(stores["ranks"]), "BENCH_FARM_WRITE": "1"}) for _ in range(4)]
     ranks = [_finish(p) for p in ranks]
@@ -170,8 +185,8 @@ def main() -> None:
 
     print(f"compared: {', '.join(args.models)} training steps (forward + backward), the first {args.steps} steps of "
           f"a fresh process with an empty local Inductor cache (torch's import not counted), on {os.cpu_count()} cores")
-    show = lambda label, r: print(  # noqa: E731
-        f"{label:<42}{r['seconds']:7.2f} s  {r['seconds'] / cold['seconds']:5.2f} of cold   kernels built "
+    show = lambda label, r, cold=cold: print(  # noqa: E731
+        f"{label:<42}{r['seconds']:7.2f} s  {r['seconds'] / cold['seconds']:5.2f} of cold   builds "
         f"{r['kernels_built']:3d}  FX hits {r['fx_hit']}/{r['fx_hit'] + r['fx_miss']}  AOTAutograd hits {r['autograd_hit']}")
     show("cold, no remote cache", cold)
     show("stock torch + farm cache-serve, filled", farm_stock)
@@ -185,6 +200,10 @@ def main() -> None:
     print(f"use_farm_cache / cold = {farm_client['seconds'] / cold['seconds']:.2f} with {farm_client['kernels_built']} "
           f"kernels built  (goal: at most 0.2, with 0); its steps took {farm_client['compile_cpu_s']:.1f} CPU-s "
           f"against cold's {cold['compile_cpu_s']:.1f} (a hit still traces with Dynamo to key its graphs)")
+    print("on a fresh machine (an empty /tmp, so no precompiled header of Inductor's yet; builds count it):")
+    show("  cold, no remote cache", fresh_cold, fresh_cold)
+    show("  stock torch + farm cache-serve, filled", fresh_stock, fresh_cold)
+    show("  use_farm_cache through cache-serve", fresh_farm, fresh_cold)
     total, whole = sum(r["compile_cpu_s"] for r in ranks), sum(r["cpu_s"] for r in ranks)
     print(f"4 ranks at once on a cold farm cache: {total:.1f} compile CPU-s together (their steps, waits included) "
           f"against one cold process's {one['compile_cpu_s']:.1f} = {total / one['compile_cpu_s']:.2f}x  (goal: at "

@@ -16,7 +16,8 @@ stock torch against Redis, it:
   loaded so far, by their path under Inductor's cache dir: farm/jit_kernels.py) and Inductor's
   ISA probes in an entry per toolchain, and puts them in place before torch looks, so a hit
   runs no g++ where the build command is the writer's (checked; another one is logged once and
-  compiles as before);
+  compiles as before), not even for Inductor's precompiled header, which waits for a kernel to
+  build (workers/backends/kernels.py, defer_precompiled_headers);
 - makes ranks compile once: a writer that misses an FX graph or AOTAutograd key takes a lease
   on it in the store while torch compiles it, and others wait for the entry (bounded; a dead
   holder is taken over). Leases end with the compile, put or not; autotune keys take none
@@ -143,7 +144,10 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     from storage.signing import Trust
 
     cache.trust = Trust.from_env()
+    from workers.backends import kernels
+
     record_loaded_kernels(cache)
+    cache._undo.append(kernels.defer_precompiled_headers())  # a hit builds nothing, not even the header
     record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import getpass
 import hashlib
 import json
 import os
@@ -139,11 +140,16 @@ def test_use_farm_cache_hits_build_no_kernel_and_refuses_unsigned_or_tampered_en
     url = f"redis://{{}}@127.0.0.1:{server.port}"
     try:  # CI with a write token, then a training job with a read token and the farm's public key
         cold = _jit_step(FARM_CACHE_URL=url.format(f"ci:{WRITER}"), FARM_CACHE_WRITE="1")
-        warm = _jit_step(FARM_CACHE_URL=url.format(f"alice:{READER}"), FARM_CACHE_WRITE="0", FARM_VERIFY_KEY=str(verify))
+        fresh = tmp_path / "fresh-machine-tmp"  # no precompiled header of Inductor's there yet
+        fresh.mkdir()
+        warm = _jit_step(FARM_CACHE_URL=url.format(f"alice:{READER}"), FARM_CACHE_WRITE="0", FARM_VERIFY_KEY=str(verify),
+                         TMPDIR=str(fresh))
     finally:
         server.stop()
     assert cold["kernels_built"] > 0 and cold["farm"]["writes"] == 3 and cold["farm"].get("hits", 0) == 0
-    assert warm["kernels_built"] == 0 and warm["grads"] == cold["grads"], warm  # no g++ at all: kernels and probes shipped
+    # no g++ at all: kernels and probes shipped, and no precompiled header built for kernels it never builds
+    assert warm["kernels_built"] == 0 and warm["grads"] == cold["grads"], warm
+    assert list((fresh / f"torchinductor_{getpass.getuser()}" / "precompiled_headers").glob("*.gch")) == []
     assert warm["inductor"].get("fxgraph_cache_hit") == 2 and warm["aot_autograd"].get("autograd_cache_hit") == 1
     assert warm["farm"]["hits"] == 3 and warm["farm"]["kernels_installed"] > 0 and warm["farm"]["probes_installed"] > 0
 
