@@ -104,7 +104,10 @@ def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_d
     d, store, r = trained
     # on a CI runner: `CI` turns an AOTAutograd setting on by default, and the farm's sandbox, which
     # passes no `CI`, compiled with it off; the bundle's settings are held instead
-    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path, env={"CI": "true"})
+    # …on a machine whose /tmp lacks Inductor's precompiled header too (it waits for a kernel to build)
+    (tmp_path / "tmp").mkdir()
+    got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path,
+                                 env={"CI": "true", "TMPDIR": str(tmp_path / "tmp")})
     shipped = sorted(m.name for m in tarfile.open(store.fetch(r.artifact.digest, tmp_path / "bundle.tar")).getmembers())
     # no kernel compiled: the bundle's binaries were used
     assert got["builds"] == [], {"misses": got["misses"], "shipped": shipped, "inductor": got["inductor"], "aot": got["aot"]}
@@ -114,6 +117,45 @@ def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_d
     assert got["ok"], got["problems"]
     assert len(got["checked"]) >= 2  # the example size and another inside the dynamic range
     assert got["names"] == got["eager_names"]  # no _orig_mod. prefix: checkpoints and optimizers just work
+
+
+# A training script that never exports: plain torch.compile of the module, its caches on the farm.
+JIT_TRAIN_SCRIPT = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from farm.client import use_farm_cache
+from workers.backends import kernels
+from workers.check.inputs import input_sets
+farm = use_farm_cache(store=sys.argv[2], write=False, isa=sys.argv[3])
+ep = torch.export.load(sys.argv[1])
+model, eager = ep.module(), ep.module()
+step = torch.compile(model)
+with kernels.counting_builds() as built:
+    for s in input_sets(ep):
+        step(*s.args).sum().backward()
+        eager(*s.args).sum().backward()
+print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]), "builds": built,
+                  "farm": farm.stats(), "grads_equal": all(torch.allclose(a.grad, b.grad, atol=1e-5)
+                                                          for a, b in zip(model.parameters(), eager.parameters()))}))
+"""
+
+
+def test_a_jit_training_script_hits_what_the_farms_training_unit_fed_and_builds_nothing(trained, zoo_dir, tmp_path):
+    d, store, r = trained
+    isa = store.get_manifest(r.key)["artifact"]["isa"]
+    fresh = tmp_path / "tmp"  # a machine that never compiled: not even Inductor's precompiled header
+    fresh.mkdir()
+    # Inductor's settings as torch leaves them, but for the ISA use_farm_cache pins; `CI` as the README says
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh"), TMPDIR=str(fresh), TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING="0")
+    proc = subprocess.run([sys.executable, "-c", JIT_TRAIN_SCRIPT, str(zoo_dir / "mlp.pt2"), str(d / "store"), isa],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["inductor"].get("fxgraph_cache_hit", 0) >= 2, \
+        [line for line in proc.stderr.splitlines() if "farm cache" in line]
+    assert got["aot"].get("autograd_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_hit", 0) >= 1
+    assert got["builds"] == [] and got["farm"]["kernels_installed"] > 0 and got["grads_equal"]
 
 
 def test_a_process_that_misses_the_bundle_says_which_setting_differs(trained, zoo_dir, tmp_path):

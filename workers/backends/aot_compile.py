@@ -115,11 +115,11 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
 
     def target_components(self, target: Target) -> dict[str, Any]:
         sizes = {"sizes": [f"{w}={n}" for w, n in target.sizes]} if target.sizes else {}
-        return {**self.device_components(target), "mode": target.mode, **sizes}
+        return {**self.device_components(target), "mode": target.mode, **sizes, **train_bundle.HEADER_COMPONENT}
 
     def pin(self, target: Target) -> train_bundle.Pin:
         isa_configs, vec_isa = self.isa_pin(target)
-        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **target.options_dict, **isa_configs}, vec_isa)
+        return train_bundle.Pin({**target.options_dict, **isa_configs}, vec_isa)
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         import torch

@@ -51,13 +51,14 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
 
     def target_components(self, target: Target) -> dict[str, Any]:
         marks = {"mark_dynamic": list(target.mark_dynamic)} if target.mark_dynamic else {}
-        mode = {"mode": target.mode} if target.mode != "inference" else {}  # inference keys stay as they were
+        # inference keys stay as they were
+        mode = {"mode": target.mode, **train_bundle.HEADER_COMPONENT} if target.mode != "inference" else {}
         return {**self.device_components(target), **marks, **mode}
 
     def pin(self, target: Target) -> train_bundle.Pin:
         isa_configs, vec_isa = self.isa_pin(target)
         configs = {**target.options_dict, **isa_configs, **self.device_configs}
-        return train_bundle.Pin({**train_bundle.TRAIN_CONFIGS, **configs} if target.mode == "train" else configs, vec_isa)
+        return train_bundle.Pin(configs, vec_isa)
 
     def lower(self, ep: ExportedProgram, target: Target, workdir: Path) -> Path:
         if target.mode == "train":

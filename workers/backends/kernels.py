@@ -26,7 +26,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from workers.backends.base import LoweringError
 
@@ -201,36 +201,64 @@ def install(kernels: dict[str, bytes]) -> int:
     return added
 
 
-def defer_precompiled_headers() -> Callable[[], None]:
-    """Build Inductor's precompiled header only when a kernel is built; returns the undo.
+class _HeaderDeferral:
+    """Inductor builds its precompiled header (a 155 MB `.gch` under /tmp, about 4 CPU-s of g++)
+    before it looks for a kernel's binary, so on a fresh machine a process whose every kernel is
+    shipped still runs g++ once: a `use_farm_cache` hit took 6.7 s there against 2.4 s with the
+    header in place. Inductor asks for the header through `_worker_compile_cpp`, with a lock under
+    its header dir; while deferred, that build waits until a kernel's binary is missing, and then
+    goes first (one thread builds it while the others wait). The header's path is named as
+    before, so kernels hash and build alike (g++ uses the `.gch` beside the header it includes)."""
 
-    Inductor builds the header (a 155 MB `.gch` under /tmp, about 4 CPU-s of g++) before it looks
-    for a kernel's binary, so on a fresh machine a process whose every kernel is shipped still
-    runs g++ once: a `use_farm_cache` hit took 6.7 s there against 2.4 s with the header in
-    place. Inductor asks for the header through `_worker_compile_cpp` with a lock under its header
-    dir; that build waits here until a kernel's binary is missing, and then goes first (one
-    thread builds it while the others wait). The header's path is named as before, so kernels
-    hash and build alike (g++ uses the `.gch` beside the header it includes)."""
-    from torch._inductor import codecache
+    def __init__(self) -> None:
+        self.state = threading.Lock()  # depth, original
+        self.building = threading.Lock()  # pending, and the header builds
+        self.depth = 0
+        self.original: Any = None
+        self.pending: dict[str, Any] = {}  # the header's lock path → its builders
 
-    original = codecache._worker_compile_cpp
-    header_locks = Path(codecache._HEADER_LOCK_DIR)
-    pending: dict[str, Any] = {}  # lock path → the header's builders
-    lock = threading.Lock()
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        from torch._inductor import codecache
 
-    def compile_cpp(lock_path: str, builders: Any) -> None:
-        if Path(lock_path).parent == header_locks:
-            with lock:
-                pending[lock_path] = builders
+        with self.state:
+            if self.depth == 0:
+                self.original, codecache._worker_compile_cpp = codecache._worker_compile_cpp, self.compile_cpp
+            self.depth += 1
+        try:
+            yield
+        finally:
+            with self.state:
+                self.depth -= 1
+                if self.depth == 0:
+                    codecache._worker_compile_cpp = self.original
+                    with self.building:
+                        if self.pending:  # never built: torch names the header again (and builds it) when next asked
+                            self.pending.clear()
+                            codecache._precompile_header.cache_clear()
+
+    def compile_cpp(self, lock_path: str, builders: Any) -> None:
+        from torch._inductor import codecache
+
+        if Path(lock_path).parent == Path(codecache._HEADER_LOCK_DIR):
+            with self.building:
+                self.pending[lock_path] = builders
             return
         if not all(os.path.exists(b.get_target_file_path()) for b in builders):  # a kernel to build
-            with lock:
-                while pending:
-                    original(*pending.popitem())
-        original(lock_path, builders)
+            with self.building:
+                while self.pending:
+                    self.original(*self.pending.popitem())
+        self.original(lock_path, builders)
 
-    codecache._worker_compile_cpp = compile_cpp
-    return lambda: setattr(codecache, "_worker_compile_cpp", original)
+
+_deferral = _HeaderDeferral()
+
+
+def deferred_precompiled_headers() -> contextlib.AbstractContextManager[None]:
+    """Within it (nested or from several threads alike), Inductor's precompiled header is built
+    only when a kernel is: a process whose kernels are all shipped builds nothing. See
+    _HeaderDeferral."""
+    return _deferral.held()
 
 
 def _built(cache: Path) -> set[Path]:

@@ -28,10 +28,11 @@ if TYPE_CHECKING:
     import torch
     from torch.export import ExportedProgram
 
-# The precompiled header is built in the consumer too, before Inductor looks for a kernel's
-# binary (one more g++ run on a fresh machine); without it a shipped kernel is all it needs.
-# This setting is part of Inductor's cache key, so producer and consumer both set it.
-TRAIN_CONFIGS = {"cpp_cache_precompile_headers": False}
+# Inductor's precompiled header waits for a kernel to build, at lowering and at load (Pin.held),
+# so a consumer whose kernels are all shipped builds none. Artifacts made before were compiled
+# with the header turned off, which is part of Inductor's cache keys (they would miss here, and
+# a JIT user's keys never matched theirs): this part of the unit's key tells the two apart.
+HEADER_COMPONENT = {"precompiled_header": "built with the first kernel"}
 FORMAT = "farm-training-bundle"
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Pin:
         with contextlib.ExitStack() as stack:
             if self.vec_isa is not None:
                 stack.enter_context(cpu_isa.only_vec_isa(self.vec_isa))
+                stack.enter_context(kernels.deferred_precompiled_headers())
             stack.enter_context(torch._inductor.config.patch(self.configs))
             if self.autograd:
                 from torch._functorch import config as autograd_config
