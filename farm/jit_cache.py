@@ -16,8 +16,8 @@ stock torch against Redis, it:
   loaded so far, by their path under Inductor's cache dir: farm/jit_kernels.py) and Inductor's
   ISA probes in an entry per toolchain, and puts them in place before torch looks, so a hit
   runs no g++ where the build command is the writer's (checked; another one is logged once and
-  compiles as before), not even for Inductor's precompiled header, which waits for a kernel to
-  build (workers/backends/kernels.py, deferred_precompiled_headers);
+  compiles as before), not even for Inductor's precompiled header, which it makes only for a
+  kernel it builds (workers/backends/kernels.py, skipping_unneeded_headers);
 - makes ranks compile once: a writer that misses an FX graph or AOTAutograd key takes a lease
   on it in the store while torch compiles it, and others wait for the entry (bounded; a dead
   holder is taken over). Leases end with the compile, put or not; autotune keys take none
@@ -147,9 +147,9 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     from workers.backends import kernels
 
     record_loaded_kernels(cache)
-    deferred = kernels.deferred_precompiled_headers()  # a hit builds nothing, not even the header
-    deferred.__enter__()
-    cache._undo.append(lambda: deferred.__exit__(None, None, None))
+    headers = kernels.skipping_unneeded_headers()  # a hit builds nothing, not even the header
+    headers.__enter__()
+    cache._undo.append(lambda: headers.__exit__(None, None, None))
     record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)

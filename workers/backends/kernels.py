@@ -16,6 +16,7 @@ parts (`bundle.bin` for a cache bundle, `fn-0.bin`, `fn-1.bin`, … for precompi
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -201,21 +202,25 @@ def install(kernels: dict[str, bytes]) -> int:
     return added
 
 
-class _HeaderDeferral:
-    """Inductor builds its precompiled header (a 155 MB `.gch` under /tmp, about 4 CPU-s of g++)
-    before it looks for a kernel's binary, so on a fresh machine a process whose every kernel is
-    shipped still runs g++ once: a `use_farm_cache` hit took 6.7 s there against 2.4 s with the
-    header in place. Inductor asks for the header through `_worker_compile_cpp`, with a lock under
-    its header dir; while deferred, that build waits until a kernel's binary is missing, and then
-    goes first (one thread builds it while the others wait). The header's path is named as
-    before, so kernels hash and build alike (g++ uses the `.gch` beside the header it includes)."""
+class _HeaderSkip:
+    """Inductor names and builds its precompiled header (a 155 MB `.gch` under /tmp: a g++
+    preprocessing run every process, about 4 CPU-s of g++ where it is not built yet) before it
+    looks for a kernel's binary, so a process whose every kernel is shipped still ran g++: a
+    `use_farm_cache` hit on a fresh machine took 6.7 s against 2.4 s with the header in place.
+
+    While held, a kernel whose binary is already there gets a plain header instead (a file that
+    includes Inductor's, with no `.gch`): nothing is preprocessed or built for it, and its key is
+    unchanged (Inductor hashes the build command before it adds the header). A kernel to build
+    gets Inductor's precompiled header as before. Which kernel is asked for comes from Inductor's
+    `write` of its source, just before, in the same thread; should its binary go before it is
+    loaded, it builds with the plain header, which g++ reads whole: slower, not wrong."""
 
     def __init__(self) -> None:
-        self.state = threading.Lock()  # depth, original
-        self.building = threading.Lock()  # pending, and the header builds
+        self.state = threading.Lock()
         self.depth = 0
-        self.original: Any = None
-        self.pending: dict[str, Any] = {}  # the header's lock path → its builders
+        self.originals: dict[str, Any] = {}
+        self.asked = threading.local()  # .binary: the binary of the kernel Inductor last wrote in this thread
+        self.plain: dict[str, str] = {}  # Inductor's header → a plain one that includes it
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -223,7 +228,8 @@ class _HeaderDeferral:
 
         with self.state:
             if self.depth == 0:
-                self.original, codecache._worker_compile_cpp = codecache._worker_compile_cpp, self.compile_cpp
+                self.originals = {"write": codecache.write, "_precompile_header": codecache._precompile_header}
+                codecache.write, codecache._precompile_header = self.write, self.precompile_header
             self.depth += 1
         try:
             yield
@@ -231,34 +237,37 @@ class _HeaderDeferral:
             with self.state:
                 self.depth -= 1
                 if self.depth == 0:
-                    codecache._worker_compile_cpp = self.original
-                    with self.building:
-                        if self.pending:  # never built: torch names the header again (and builds it) when next asked
-                            self.pending.clear()
-                            codecache._precompile_header.cache_clear()
+                    for name, original in self.originals.items():
+                        setattr(codecache, name, original)
 
-    def compile_cpp(self, lock_path: str, builders: Any) -> None:
-        from torch._inductor import codecache
+    def write(self, content: Any, extension: str, *args: Any, **kwargs: Any) -> Any:
+        key, path = self.originals["write"](content, extension, *args, **kwargs)
+        if extension == "main.cpp":  # CppCodeCache.load_async: the kernel's binary is <path>.so
+            self.asked.binary = str(Path(path).with_suffix(".so"))
+        return key, path
 
-        if Path(lock_path).parent == Path(codecache._HEADER_LOCK_DIR):
-            with self.building:
-                self.pending[lock_path] = builders
-            return
-        if not all(os.path.exists(b.get_target_file_path()) for b in builders):  # a kernel to build
-            with self.building:
-                while self.pending:
-                    self.original(*self.pending.popitem())
-        self.original(lock_path, builders)
+    def precompile_header(self, header: str, *args: Any, **kwargs: Any) -> str:
+        binary = getattr(self.asked, "binary", None)
+        if binary is None or not os.path.exists(binary):
+            return self.originals["_precompile_header"](header, *args, **kwargs)
+        with self.state:
+            if header not in self.plain:
+                fd, path = tempfile.mkstemp(prefix="farm-plain-", suffix=".h")
+                with os.fdopen(fd, "w") as f:
+                    f.write(f"#include <{header}>\n")
+                self.plain[header] = path
+                atexit.register(os.unlink, path)
+            return self.plain[header]
 
 
-_deferral = _HeaderDeferral()
+_header_skip = _HeaderSkip()
 
 
-def deferred_precompiled_headers() -> contextlib.AbstractContextManager[None]:
-    """Within it (nested or from several threads alike), Inductor's precompiled header is built
-    only when a kernel is: a process whose kernels are all shipped builds nothing. See
-    _HeaderDeferral."""
-    return _deferral.held()
+def skipping_unneeded_headers() -> contextlib.AbstractContextManager[None]:
+    """Within it (nested or from several threads alike), Inductor's precompiled header is named
+    and built only for kernels it builds: a process whose kernels are all shipped builds nothing.
+    See _HeaderSkip."""
+    return _header_skip.held()
 
 
 def _built(cache: Path) -> set[Path]:

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import torch
     from torch.export import ExportedProgram
 
-# Inductor's precompiled header waits for a kernel to build, at lowering and at load (Pin.held),
-# so a consumer whose kernels are all shipped builds none. Artifacts made before were compiled
+# Inductor's precompiled header is made only for a kernel that is built, at lowering and at load
+# (Pin.held), so a consumer whose kernels are all shipped builds none. Artifacts made before were compiled
 # with the header turned off, which is part of Inductor's cache keys (they would miss here, and
 # a JIT user's keys never matched theirs): this part of the unit's key tells the two apart.
 HEADER_COMPONENT = {"precompiled_header": "built with the first kernel"}
@@ -52,9 +52,9 @@ class Pin:
         import torch
 
         with contextlib.ExitStack() as stack:
+            stack.enter_context(kernels.skipping_unneeded_headers())
             if self.vec_isa is not None:
                 stack.enter_context(cpu_isa.only_vec_isa(self.vec_isa))
-                stack.enter_context(kernels.deferred_precompiled_headers())
             stack.enter_context(torch._inductor.config.patch(self.configs))
             if self.autograd:
                 from torch._functorch import config as autograd_config
