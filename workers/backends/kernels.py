@@ -213,7 +213,9 @@ class _HeaderSkip:
     unchanged (Inductor hashes the build command before it adds the header). A kernel to build
     gets Inductor's precompiled header as before. Which kernel is asked for comes from Inductor's
     `write` of its source, just before, in the same thread; should its binary go before it is
-    loaded, it builds with the plain header, which g++ reads whole: slower, not wrong."""
+    loaded, it builds with the plain header, which g++ reads whole: slower, not wrong. (So would
+    a header asked for outside a kernel's load, as AOTInductor asks, right after a kernel that
+    was there: nothing held here compiles with AOTInductor.)"""
 
     def __init__(self) -> None:
         self.state = threading.Lock()
@@ -256,7 +258,7 @@ class _HeaderSkip:
                 with os.fdopen(fd, "w") as f:
                     f.write(f"#include <{header}>\n")
                 self.plain[header] = path
-                atexit.register(os.unlink, path)
+                atexit.register(Path(path).unlink, missing_ok=True)
             return self.plain[header]
 
 
