@@ -154,6 +154,12 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     if isa is not None:
         _pin_isa(cache, isa)
     _install_probes(cache, backend)
+    if isa is None:  # pinned, Inductor sees the one ISA, from the host's record where it has one
+        from workers.backends.cpu_isa import vec_isas_from_host_record
+
+        known = vec_isas_from_host_record()
+        known.__enter__()
+        cache._undo.append(lambda: known.__exit__(None, None, None))
 
     backend_cls = _backend_class()
 

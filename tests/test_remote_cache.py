@@ -387,3 +387,33 @@ def test_an_entry_whose_value_is_gone_is_a_miss_not_an_error(tmp_path):
     doc = store.get_document(index_path(key))
     store.backend.delete_many([f"blobs/sha256/{doc['blob']['digest'][:2]}/{doc['blob']['digest']}"])
     assert entries.get(key) is None and entries.stats()["fx-graph-v1"]["refused"] == 1
+
+
+# Which vector ISA Inductor would use in a process with use_farm_cache (no `isa=`): argv store.
+PICKED_ISA = """
+import json, sys
+from torch._inductor import cpu_vec_isa
+from farm.client import use_farm_cache
+use_farm_cache(store=sys.argv[1], write=False)
+print(json.dumps(str(cpu_vec_isa.pick_vec_isa())))
+"""
+
+
+def test_use_farm_cache_takes_inductors_isas_from_the_hosts_record_without_checking_them_again(tmp_path):
+    """Inductor checks each vector ISA by loading a probe in a fresh Python, in every process (about
+    a second): use_farm_cache asks once per host (its record in the Inductor cache dir) instead."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def picked() -> str:
+        out = subprocess.run([sys.executable, "-c", PICKED_ISA, str(tmp_path / "store")], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = picked()  # Inductor's own answer, now the host's record
+    if first == "INVALID_VEC_ISA":
+        pytest.skip("Inductor finds no vector ISA on this host")
+    (record,) = (tmp_path / "inductor").rglob("farm-host-checks/inductor-host-*.json")
+    assert first in json.loads(record.read_text())["vec_isas"]
+    record.write_text(json.dumps({**json.loads(record.read_text()), "vec_isas": []}))  # a host that runs none
+    assert picked() == "INVALID_VEC_ISA"  # the record's answer, not a check of Inductor's own
