@@ -2,8 +2,9 @@
 
 The smoke zoo's `gpt` and `encoder_block` training steps (forward and backward) under plain
 `torch.compile`, each case a fresh process with an empty local Inductor cache, timed over its
-first 3 steps (compiles and use_farm_cache's set-up included, torch's import not). Inductor's precompiled header, which lives
-in /tmp whatever the cache dir, is built by a warm-up run first, so every case finds it.
+first 3 steps (compiles and use_farm_cache's set-up included, torch's import not). Inductor's
+precompiled header, which lives in /tmp whatever the cache dir, is built by a warm-up run first,
+so every case finds it but those of a fresh machine.
 
   cold           no remote cache: the baseline
   farm, stock    stock torch, environment variables only, against `farm cache-serve`, after
@@ -188,7 +189,8 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
         server.stop()
 
     print(f"compared: {', '.join(args.models)} training steps (forward + backward), the first {args.steps} steps of "
-          f"a fresh process with an empty local Inductor cache (torch's import not counted), on {os.cpu_count()} cores")
+          f"a fresh process with an empty local Inductor cache (use_farm_cache's set-up counted, torch's import not), "
+          f"on {os.cpu_count()} cores")
     show = lambda label, r, cold=cold: print(  # noqa: E731
         f"{label:<42}{r['seconds']:7.2f} s  {r['seconds'] / cold['seconds']:5.2f} of cold   builds "
         f"{r['kernels_built']:3d}  FX hits {r['fx_hit']}/{r['fx_hit'] + r['fx_miss']}  AOTAutograd hits {r['autograd_hit']}")
@@ -216,8 +218,8 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
     writer = max(ranks, key=lambda r: r["compile_cpu_s"])
     floor = (writer["compile_cpu_s"] + (len(ranks) - 1) * after["compile_cpu_s"]) / one["compile_cpu_s"]
     print(f"  each rank's compile CPU-s: {[round(r['compile_cpu_s'], 1) for r in ranks]}; a process that hits every "
-          f"graph afterwards, on a fresh machine: {after['compile_cpu_s']:.1f}, so waiting ranks that cost no more than a hit would make "
-          f"{floor:.2f}x (Dynamo still traces each rank's graphs to key them)")
+          f"graph afterwards, on a fresh machine: {after['compile_cpu_s']:.1f}, so waiting ranks that cost no more "
+          f"than a hit would make {floor:.2f}x (Dynamo still traces each rank's graphs to key them)")
     print(f"endpoint: {rate:,.0f} GETs/s of 100 KiB values, one client on loopback  (goal: at least 2,000)")
 
 

@@ -154,7 +154,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     if isa is not None:
         _pin_isa(cache, isa)
     _install_probes(cache, backend)
-    if isa is None:  # pinned, Inductor sees the one ISA, from the host's record where it has one
+    if isa is None:  # (pinned, Inductor sees the one ISA: cpu_isa._one_vec_isa asks the host's record too)
         from workers.backends.cpu_isa import vec_isas_from_host_record
 
         known = vec_isas_from_host_record()

@@ -104,7 +104,7 @@ def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_d
     d, store, r = trained
     # on a CI runner: `CI` turns an AOTAutograd setting on by default, and the farm's sandbox, which
     # passes no `CI`, compiled with it off; the bundle's settings are held instead
-    # …on a machine whose /tmp lacks Inductor's precompiled header too (it waits for a kernel to build)
+    # …on a machine whose /tmp lacks Inductor's precompiled header too (made only for a kernel that is built)
     (tmp_path / "tmp").mkdir()
     got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "inductor-cache:avx2", tmp_path,
                                  env={"CI": "true", "TMPDIR": str(tmp_path / "tmp")})
