@@ -147,9 +147,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     from workers.backends import kernels
 
     record_loaded_kernels(cache)
-    headers = kernels.skipping_unneeded_headers()  # a hit builds nothing, not even the header
-    headers.__enter__()
-    cache._undo.append(lambda: headers.__exit__(None, None, None))
+    _hold(cache, kernels.skipping_unneeded_headers())  # a hit builds nothing, not even the header
     record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)
@@ -157,9 +155,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     if isa is None:  # (pinned, Inductor sees the one ISA: cpu_isa._one_vec_isa asks the host's record too)
         from workers.backends.cpu_isa import vec_isas_from_host_record
 
-        known = vec_isas_from_host_record()
-        known.__enter__()
-        cache._undo.append(lambda: known.__exit__(None, None, None))
+        _hold(cache, vec_isas_from_host_record())
 
     backend_cls = _backend_class()
 
@@ -459,6 +455,12 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
         cache.release(cache._probes_key)
 
 
+def _hold(cache: FarmCache, manager: Any) -> None:
+    """Inside context `manager` for as long as this cache is installed (it leaves with the rest)."""
+    manager.__enter__()
+    cache._undo.append(lambda: manager.__exit__(None, None, None))
+
+
 def _pin_isa(cache: FarmCache, isa: str) -> None:
     from torch._inductor import config as inductor_config
 
@@ -466,9 +468,7 @@ def _pin_isa(cache: FarmCache, isa: str) -> None:
 
     if isa not in ISAS:
         raise ValueError(f"use_farm_cache: unknown isa {isa!r}; choose one of {', '.join(ISAS)}")
-    pinned = only_vec_isa(ISAS[isa].vec_isa)
-    pinned.__enter__()
-    cache._undo.append(lambda: pinned.__exit__(None, None, None))
+    _hold(cache, only_vec_isa(ISAS[isa].vec_isa))
     for name, value in ISAS[isa].inductor_configs.items():
         section, _, attr = name.rpartition(".")
         owner = getattr(inductor_config, section) if section else inductor_config

@@ -7,6 +7,7 @@ named, because on a host with AMX `simdlen=512` alone would pick AMX over plain 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import sys
 from dataclasses import dataclass
@@ -60,15 +61,24 @@ def host_vec_isas() -> set[str]:
     return set(inductor_host()["vec_isas"])
 
 
+@functools.cache
+def _recorded_vec_isas() -> frozenset[str] | None:
+    """The host record's vector ISAs, read once per process (a file lock and a read, 0.2 ms, and
+    Pin.held asks at every compiled call); None where the host had no record then, and Inductor's
+    own check, which Inductor caches, answers instead."""
+    known = inductor_host_known()
+    return None if known is None else frozenset(known["vec_isas"])
+
+
 def _one_vec_isa(name: str) -> list[Any]:
     """[Inductor's ISA `name`] if this host can build and run it, else []: from the host's record
     where it has one, else Inductor's own check (CPU flags, then a probe build loaded in a fresh
     Python) for that one ISA. Its check of every ISA costs a fresh machine ~10 g++ builds (8 s
     here) before a pinned model's first step."""
     cpu_vec_isa = _cpu_vec_isa()
-    known = inductor_host_known()
+    known = _recorded_vec_isas()
     if known is not None:
-        return [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known["vec_isas"]]
+        return [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known]
     flags = cpu_vec_isa.x86_isa_checker()
     return [i for i in cpu_vec_isa.supported_vec_isa_list
             if str(i) == name and all(f in flags for f in name.split()) and i]
@@ -90,11 +100,11 @@ def host_runs(vec_isa: str) -> bool:
 
 
 @contextlib.contextmanager
-def only_vec_isa(name: str) -> Iterator[None]:
-    """Make Inductor see exactly one vector ISA while it compiles (one compile per process)."""
+def _inductor_sees(chosen: list[Any]) -> Iterator[None]:
+    """Inductor's list of this host's vector ISAs is `chosen` inside (its own is checked and kept
+    once per process, so it is replaced, not re-asked)."""
     cpu_vec_isa = _cpu_vec_isa()
     original = cpu_vec_isa.valid_vec_isa_list
-    chosen = _one_vec_isa(name) if name else []
     cpu_vec_isa.valid_vec_isa_list = lambda: chosen  # type: ignore[assignment]
     try:
         yield
@@ -102,21 +112,18 @@ def only_vec_isa(name: str) -> Iterator[None]:
         cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
 
 
-@contextlib.contextmanager
-def vec_isas_from_host_record() -> Iterator[None]:
+def only_vec_isa(name: str) -> contextlib.AbstractContextManager[None]:
+    """Make Inductor see exactly one vector ISA while it compiles (one compile per process)."""
+    return _inductor_sees(_one_vec_isa(name) if name else [])
+
+
+def vec_isas_from_host_record() -> contextlib.AbstractContextManager[None]:
     """Inductor's list of this host's vector ISAs from the host's record (asked of Inductor once
     per host: workers/backends/inductor_host.py) instead of its own check, which loads a probe
     per ISA in a fresh Python in every process: 0.9 CPU-s and 1 s here, a third of a process
     that hits every graph."""
-    cpu_vec_isa = _cpu_vec_isa()
-    original = cpu_vec_isa.valid_vec_isa_list
     names = host_vec_isas()
-    chosen = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) in names]  # in Inductor's order
-    cpu_vec_isa.valid_vec_isa_list = lambda: chosen  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
+    return _inductor_sees([i for i in _cpu_vec_isa().supported_vec_isa_list if str(i) in names])  # Inductor's order
 
 
 def cpu_fingerprint() -> dict[str, Any]:
