@@ -1,8 +1,8 @@
 """A farm shared by a team: does a person's one-graph job wait behind the nightly?
 
-On one Ray cluster (a `ray start` head on loopback, offering `farm resources`) with a farm service
-(`farm serve`), every unit cold (each graph a small MLP of its own width, so no key and no
-Inductor cache entry repeats):
+On one Ray cluster (a `ray start` head listening on loopback alone, scheduler/ray_loopback.py,
+offering `farm resources`) with a farm service (`farm serve`), every unit cold (each graph a
+small MLP of its own width, so no key and no Inductor cache entry repeats):
 
 1. an interactive 1-unit job alone;
 2. for each nightly size N: a nightly of N `aoti-cpu` units alone; then another nightly of N
@@ -146,7 +146,8 @@ def main() -> None:
     nightlies = {n: [export_graphs(graphs, f"nightly{n}-{k}", [next(widths) for _ in range(n)]) for k in range(2)]
                  for n in sizes}
     warm = export_graphs(graphs, "warmup", [next(widths) for _ in range(args.workers)])
-    subprocess.run([ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={args.workers}",
+    subprocess.run([sys.executable, "-m", "scheduler.ray_loopback", "start", "--head", f"--port={port}",
+                    "--node-ip-address=127.0.0.1", f"--num-cpus={args.workers}",
                     f"--resources={resources}", "--include-dashboard=false", "--disable-usage-stats"],
                    env=env, check=True, capture_output=True)
     try:

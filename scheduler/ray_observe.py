@@ -69,7 +69,9 @@ def record_store(report: dict[str, Any], store: str, flush_s: float = METRICS_FL
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING, log_to_driver=False)
+        from scheduler.ray_session import join
+
+        join(os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING, log_to_driver=False)
     m = metrics()
     kinds = set(report["kept"]) | set(report["deleted"])
     for kind in kinds:

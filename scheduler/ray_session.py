@@ -9,6 +9,9 @@ Two traps this file exists for (issue 14):
   the host's IP), after two minutes of retries for an address nothing answers on. The farm
   probes the address first and says what it tried, where the token was looked for and what to
   run instead.
+- A cluster that listens on loopback alone (`python -m scheduler.ray_loopback start …`, as the
+  tests' cluster does) is out of stock Ray's reach by 127.0.0.1: Ray connects to the host's
+  address instead, where nothing listens. The farm then joins it by 127.0.0.1 as given.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from scheduler.errors import JoinFailed
 from workers.backends import offered_resources
 
 PROBE_S = 3.0
+LOOPBACK = "127.0.0.1"  # the one loopback node IP that Ray 2.60 binds its gRPC servers to alone
 NAMESPACE = "farm"  # the farm's Ray namespace: its service's actor, and its keys in Ray's internal KV
 SERVICE_STORE_KEY = b"farm-scheduler/store"
 
@@ -114,33 +118,44 @@ def join_advice(address: str, target: tuple[str, int] | None, answered: bool, ca
 
 
 def _answering(address: str) -> tuple[str, int] | None:
-    """Where Ray will connect for `address` (None if it cannot tell); JoinFailed, saying what to
-    do, when nothing answers there (Ray would retry for minutes before saying so)."""
+    """Where Ray will connect for `address` (None if it cannot tell): Ray's replacement for a
+    loopback name, or 127.0.0.1 itself where only that answers (a loopback-only cluster); JoinFailed,
+    saying what to do, when nothing answers (Ray would retry for minutes before saying so)."""
     target = _bootstrap(address)
     if target and not _answers(*target):
+        loopback = (LOOPBACK, target[1])
+        if address.rpartition(":")[0] in ("127.0.0.1", "localhost") and _answers(*loopback):
+            return loopback
         raise JoinFailed(join_advice(address, target, False, "no answer"))
     return target
 
 
-def _join(address: str):
+def join(address: str, **init):
+    """`ray.init` joining the cluster at `address`, by 127.0.0.1 itself where the cluster listens
+    on loopback alone; JoinFailed saying what to do when that fails."""
     target = _answering(address)
     try:
-        return ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        if target and target[0] == LOOPBACK:
+            with loopback_kept():
+                return ray.init(address=f"{LOOPBACK}:{target[1]}", **init)
+        return ray.init(address=address, **init)
     except (ConnectionError, ValueError) as e:
         raise JoinFailed(join_advice(address, target, True, str(e).strip().splitlines()[0][:300])) from e
 
 
 @contextmanager
-def _loopback_kept() -> Iterator[None]:
-    """An embedded Ray on loopback only. Ray replaces a node IP of 127.0.0.1 by this host's address
+def loopback_kept() -> Iterator[None]:
+    """Ray on loopback only. Ray replaces a node IP of 127.0.0.1 by this host's address
     (`services.resolve_ip_for_localhost`: 192.0.2.2 on the CI machines), and then its GCS, raylet,
     workers and agents listen on every interface (Ray 2.60 binds gRPC to 127.0.0.1 only when the
-    node IP is exactly that). Kept as 127.0.0.1 while `ray.init` starts the node, every one of them
-    listens on loopback alone; the embedded Ray is this process's own, joined by no other machine."""
+    node IP is exactly that). Kept as 127.0.0.1 while `ray.init` (the embedded Ray) or `ray start`
+    (scheduler/ray_loopback.py) starts a node, every one of them listens on loopback alone, and no
+    other machine can join; a driver joining such a cluster keeps it too, or Ray would look for the
+    GCS at the host's address."""
     from ray._private import services
 
     replace = services.resolve_ip_for_localhost
-    services.resolve_ip_for_localhost = lambda host: host if host == "127.0.0.1" else replace(host)
+    services.resolve_ip_for_localhost = lambda host: host if host == LOOPBACK else replace(host)
     try:
         yield
     finally:
@@ -162,10 +177,10 @@ def ray_session(address: str | None, slots: int | None = None, metrics_port: int
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ctx = _join(address)
+        ctx = join(address, namespace=NAMESPACE, log_to_driver=False)
     else:
         slots = slots or os.cpu_count() or 1
-        with _loopback_kept():
+        with loopback_kept():
             ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace=NAMESPACE,
                            include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
                            log_to_driver=False, _metrics_export_port=metrics_port)

@@ -141,11 +141,12 @@ def ray_cluster(tmp_path_factory):
     the test process joined to it as the driver."""
     import ray
 
+    from scheduler.ray_session import join
     from tests.raycluster import start_cluster
 
     cluster = start_cluster(tmp_path_factory.mktemp("inductor-cache"), head_resources={"farm_cpu_avx2": 2, "farm_executorch": 2},
                             node_resources={"farm_cpu_x86_64": 1, "farm_cuda_sm90": 1, "farm_cuda": 1}, node_gpus=1)
-    ray.init(address=cluster.address, namespace="farm", log_to_driver=False)
+    join(cluster.address, namespace="farm", log_to_driver=False)
     yield cluster
     ray.shutdown()
     cluster.stop()

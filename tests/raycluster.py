@@ -1,5 +1,6 @@
-"""A real two-node Ray cluster on this machine for tests: `ray start` twice, on loopback
-addresses (127.0.0.2 head, 127.0.0.3 second node), token auth on, different custom resources."""
+"""A real two-node Ray cluster on this machine for tests: `ray start` twice, both nodes on
+127.0.0.1 and listening on loopback alone (scheduler/ray_loopback.py: stock `ray start` would listen
+on every interface), token auth on, different custom resources."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
+HEAD_IP = NODE_IP = "127.0.0.1"  # two raylets on one IP, as Ray's own multi-node tests run
 
 
 def _free_port(ip: str) -> int:
@@ -38,6 +39,10 @@ def _ray() -> str:
     return str(Path(sys.executable).parent / "ray")
 
 
+def _ray_on_loopback() -> list[str]:
+    return [sys.executable, "-m", "scheduler.ray_loopback"]
+
+
 def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, node_gpus: int = 0) -> RayCluster:
     """node_gpus: GPUs the second node claims to have (Ray believes it; no GPU is needed to route)."""
     port = _free_port(HEAD_IP)
@@ -53,17 +58,17 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, n
     # agents on ports of their own: Ray's default (52365) stays free for an embedded Ray's job agent
     dashboard_port = _free_port(HEAD_IP)
     metrics = (_free_port(HEAD_IP), _free_port(NODE_IP))
-    head = [_ray(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
+    head = [*_ray_on_loopback(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
             f"--resources={json.dumps(head_resources)}", f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
             "--include-dashboard=true", f"--dashboard-host={HEAD_IP}", f"--dashboard-port={dashboard_port}",
             "--disable-usage-stats", f"--metrics-export-port={metrics[0]}"]
-    node = [_ray(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
+    node = [*_ray_on_loopback(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
             f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats",
             f"--dashboard-agent-listen-port={_free_port(NODE_IP)}", f"--metrics-export-port={metrics[1]}"]
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
-            raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{' '.join(cmd[:5])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources, f"http://{HEAD_IP}:{dashboard_port}",
                       (f"http://{HEAD_IP}:{metrics[0]}/metrics", f"http://{NODE_IP}:{metrics[1]}/metrics"))

@@ -1,7 +1,8 @@
 """The README's two-node recipe, run as written (another port), as a newcomer would: a fresh home
 (so `ray start --head` makes the token and `farm submit` finds it), no RAY_AUTH_TOKEN or
-RAY_ADDRESS from the test session. It runs in a PID namespace of its own, so the recipe's
-`ray stop` stops its cluster and not the session's."""
+RAY_ADDRESS from the test session. It runs in PID and network namespaces of its own: the recipe's
+`ray stop` stops its cluster and not the session's, and its cluster, which listens where stock Ray
+decides (every interface), has no interface but a loopback of its own."""
 from __future__ import annotations
 
 import os
@@ -32,18 +33,22 @@ def _free_port() -> int:
 
 
 def _isolated() -> list[str]:
-    """A PID namespace of its own (root), so `ray stop` sees only the recipe's processes."""
-    probe = subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True)
-    if shutil.which("unshare") is None or probe.returncode != 0:
-        pytest.skip(f"cannot make a PID namespace here (`unshare -p` needs root): {probe.stderr[:200]!r}")
-    return ["unshare", "-p", "-f", "--mount-proc"]
+    """PID and network namespaces of its own (root): `ray stop` sees only the recipe's processes,
+    and what the recipe starts is reachable from nowhere (the script brings its loopback up)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs `unshare` (util-linux) and `ip` (iproute2) to isolate the recipe's cluster")
+    command = ["unshare", "-p", "-f", "--mount-proc", "-n"]
+    probe = subprocess.run([*command, "ip", "link", "set", "lo", "up"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make PID and network namespaces here (`unshare -p -n` needs root): {probe.stderr[:200]!r}")
+    return command
 
 
 def test_the_readme_two_node_recipe_works_as_written(tmp_path):
     recipe = _recipe()
     assert "--address 127.0.0.1:6390" in recipe and recipe.strip().endswith("ray stop")
     port = str(_free_port())
-    script = "set -euxo pipefail\n" + recipe.replace("6390", port)
+    script = "set -euxo pipefail\nip link set lo up\n" + recipe.replace("6390", port)
     home = tmp_path / "home"
     home.mkdir()
     venv_bin = str(Path(os.sys.executable).parent)

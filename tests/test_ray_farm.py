@@ -27,6 +27,39 @@ def _node_offering(resource: str) -> str:
     return node[:8]
 
 
+def _ray_listeners() -> list[tuple[str, str, int]]:
+    """(process, address, port) of every TCP socket listening in a Ray process on this machine
+    (GCS, raylets, agents, workers) or in this test process (a driver listens too)."""
+    import psutil
+
+    found = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None:
+            continue
+        try:
+            proc = psutil.Process(conn.pid)
+            command = " ".join(proc.cmdline()) or proc.name()
+        except psutil.Error:
+            continue  # ended since
+        if conn.pid == os.getpid() or "ray" in command:
+            found.append((command[:120], conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+def test_the_cluster_listens_on_loopback_alone_and_the_farm_joins_it_by_127_0_0_1(ray_cluster):
+    import ipaddress
+
+    assert ray_cluster.address.startswith("127.0.0.1:")  # the fixture joined as any farm command does
+    listeners = _ray_listeners()
+    assert any("gcs_server" in p for p, _, _ in listeners) and any("raylet" in p for p, _, _ in listeners)
+    exposed = []
+    for entry in listeners:
+        ip = ipaddress.ip_address(entry[1])
+        if not (getattr(ip, "ipv4_mapped", None) or ip).is_loopback:  # gRPC lists 127.0.0.1 as ::ffff:127.0.0.1
+            exposed.append(entry)
+    assert not exposed, exposed  # 0.0.0.0 or :: would be every interface
+
+
 def test_units_run_only_on_the_node_that_offers_their_isa(ray_cluster, zoo_dir, tmp_path):
     job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu:avx2", "aoti-cpu:x86-64"]})
     outcome = execute(job, store_from_uri(str(tmp_path)), RayRunner(PoolConfig(), job_id="routing"))
