@@ -87,7 +87,7 @@ def test_crashed_compile_is_taken_over_after_its_lease_expires(zoo_dir, tmp_path
     from workers.pipeline import run_unit
 
     store = store_from_uri(str(tmp_path / "store"))
-    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu:x86-64"], "limits": {"lease_s": 2}})
+    job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["core-aten"], "limits": {"lease_s": 2}})
     (unit,) = plan(job, store)
     key = _key_of(unit, store)
     Leases(store.backend, "node-7/pid-4242 (killed)", ttl_s=2).try_acquire(key, 0)
@@ -152,7 +152,7 @@ def test_a_lease_release_that_fails_after_publishing_changes_no_outcome(zoo_dir,
         delete(path)
 
     monkeypatch.setattr(store.backend, "delete", flaky_delete)
-    outcome = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
+    outcome = execute(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["core-aten"]}), store)
     (r,) = outcome.results
     assert r.status == "compiled", r.error
     assert store.get_manifest(r.key) is not None
