@@ -26,12 +26,13 @@ def keys(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def signed_store(keys, zoo_dir, tmp_path_factory):
-    """mlp compiled by a worker holding the signing key."""
+    """mlp lowered by a worker holding the signing key (core-aten: signing is every target's, and
+    this one builds no C++)."""
     uri = str(tmp_path_factory.mktemp("signed") / "store")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FARM_SIGNING_KEY", str(keys[0]))
         mp.delenv("FARM_VERIFY_KEY", raising=False)
-        outcome = execute(parse_job({"name": "signed", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}),
+        outcome = execute(parse_job({"name": "signed", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["core-aten"]}),
                           store_from_uri(uri))
     (mlp,) = outcome.results
     assert mlp.status == "compiled", mlp.error
@@ -50,7 +51,7 @@ def test_a_signed_store_is_read_by_a_consumer_with_only_the_public_key(signed_st
     _consumer(monkeypatch, keys)
     store = store_from_uri(uri)
     assert store.get_manifest(key)["key"] == key
-    again = execute(parse_job({"name": "again", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}), store)
+    again = execute(parse_job({"name": "again", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["core-aten"]}), store)
     assert again.results[0].status == "hit", again.results[0].error
     out = farm("fetch", key, str(tmp_path / "m.pt2"), "--store", uri)
     assert "manifest signed (ed25519" in out and (tmp_path / "m.pt2").exists(), out
@@ -72,7 +73,7 @@ def test_a_tampered_manifest_is_refused_everywhere(signed_store, keys, monkeypat
         out = farm("fetch", key, str(tmp_path / "m.pt2"), "--store", uri)
         assert "does not match" in out, out
         assert not (tmp_path / "m.pt2").exists()
-        job = parse_job({"name": "tampered", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]})
+        job = parse_job({"name": "tampered", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["core-aten"]})
         (result,) = execute(job, consumer).results
         assert result.status == "failed" and "does not match" in result.error, result.error
         # a valid signature does not travel to another key's path
