@@ -28,33 +28,35 @@ def _recipe() -> str:
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _isolated() -> list[str]:
+def _isolated() -> tuple[list[str], str]:
     """PID and network namespaces of its own (root): `ray stop` sees only the recipe's processes,
     and what the recipe starts is reachable from nowhere (the script brings its loopback up)."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
+    ip = shutil.which("ip") or shutil.which("ip", path="/usr/sbin:/sbin")  # sbin: not on every PATH
+    if shutil.which("unshare") is None or ip is None:
         pytest.skip("needs `unshare` (util-linux) and `ip` (iproute2) to isolate the recipe's cluster")
     command = ["unshare", "-p", "-f", "--mount-proc", "-n"]
-    probe = subprocess.run([*command, "ip", "link", "set", "lo", "up"], capture_output=True)
+    probe = subprocess.run([*command, ip, "link", "set", "lo", "up"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make PID and network namespaces here (`unshare -p -n` needs root): {probe.stderr[:200]!r}")
-    return command
+    return command, ip
 
 
 def test_the_readme_two_node_recipe_works_as_written(tmp_path):
     recipe = _recipe()
     assert "--address 127.0.0.1:6390" in recipe and recipe.strip().endswith("ray stop")
     port = str(_free_port())
-    script = "set -euxo pipefail\nip link set lo up\n" + recipe.replace("6390", port)
+    isolated, ip = _isolated()
+    script = f"set -euxo pipefail\n{ip} link set lo up\n" + recipe.replace("6390", port)
     home = tmp_path / "home"
     home.mkdir()
     venv_bin = str(Path(os.sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HOME=str(home), PATH=f"{venv_bin}:{env['PATH']}", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([*_isolated(), "bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([*isolated, "bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
