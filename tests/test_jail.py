@@ -232,7 +232,7 @@ def test_a_warm_child_serves_one_job_and_its_tmp_is_wiped_between_units(zoo_dir,
             self.pids.add(jobs._KEPT.pid)
 
     served = [Served(), Served()]
-    for n, events in enumerate(served):  # one program, two stores: both jobs compile (the second from warm caches)
+    for n, events in enumerate(served):  # one program, two stores: both jobs lower it
         # core-aten: which target is beside the point here, and it builds no C++
         job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["core-aten"]})
         assert jobs.execute(job, store_from_uri(str(tmp_path / f"store-{n}")), events=events).results[0].status == "compiled"
