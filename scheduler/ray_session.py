@@ -29,6 +29,7 @@ from workers.backends import offered_resources
 
 PROBE_S = 3.0
 LOOPBACK = "127.0.0.1"  # the one loopback node IP that Ray 2.60 binds its gRPC servers to alone
+_NODE_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # off: Ray's Python resolves loopback names to 127.0.0.1
 NAMESPACE = "farm"  # the farm's Ray namespace: its service's actor, and its keys in Ray's internal KV
 SERVICE_STORE_KEY = b"farm-scheduler/store"
 
@@ -151,15 +152,26 @@ def loopback_kept() -> Iterator[None]:
     node IP is exactly that). Kept as 127.0.0.1 while `ray.init` (the embedded Ray) or `ray start`
     (scheduler/ray_loopback.py) starts a node, every one of them listens on loopback alone, and no
     other machine can join; a driver joining such a cluster keeps it too, or Ray would look for the
-    GCS at the host's address."""
+    GCS at the host's address.
+
+    The node's own processes (dashboard agents, workers, a Ray Job's driver) join it by
+    `ray.init(address="127.0.0.1:…")` as well, in processes of their own: they inherit
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, with which Ray resolves a loopback name to 127.0.0.1
+    itself. On Linux it changes nothing else but refusing `ray start --address`, and Ray reads it
+    at import: this process, which has imported Ray already, is not refused."""
     from ray._private import services
 
-    replace = services.resolve_ip_for_localhost
+    replace, inherited = services.resolve_ip_for_localhost, os.environ.get(_NODE_LOOPBACK_ENV)
     services.resolve_ip_for_localhost = lambda host: host if host == LOOPBACK else replace(host)
+    os.environ[_NODE_LOOPBACK_ENV] = "0"
     try:
         yield
     finally:
         services.resolve_ip_for_localhost = replace
+        if inherited is None:
+            os.environ.pop(_NODE_LOOPBACK_ENV, None)
+        else:
+            os.environ[_NODE_LOOPBACK_ENV] = inherited
 
 
 _CURRENT: list[RaySession] = []  # the session this process opened, while Ray is up
