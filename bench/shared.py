@@ -15,8 +15,8 @@ first measurement (a warm-up job), as on a farm that serves all day.
 
 Then a hit through the service: the whole `farm submit` process of an all-hit job, handed over
 through the store's inbox, the store named (`--store`: no Ray in the client) and found from the
-cluster (`--address`: the service's store read from Ray's KV, no Ray driver started; then
-remembered on this machine, no Ray imported), each against `python -c 'import torch'` (goal: at
+cluster (`--address`: the service's store read from Ray's KV over gRPC, no Ray imported; then
+remembered on this machine, the cluster not asked), each against `python -c 'import torch'` (goal: at
 most 0.6).
 
     .venv/bin/python bench/shared.py [--nightly 16 --nightly 64] [--workers 2] [--hit-only]

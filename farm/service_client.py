@@ -188,9 +188,14 @@ def _inbox_of_cluster(address: str) -> Service | None:
         found = _beating_at(remembered["store"])
         if found is not None and found.info.get("cluster") == remembered.get("cluster"):
             return found
-    from scheduler.ray_session import service_store
+    from scheduler.gcs_kv import Unread, read_service_store
 
-    asked = service_store(address)
+    try:
+        asked = read_service_store(address)  # gRPC alone: no Ray imported
+    except Unread:
+        from scheduler.ray_session import service_store
+
+        asked = service_store(address)  # Ray's client: loopback clusters, and JoinFailed saying why
     if asked is None:
         return None
     found = _beating_at(asked[0])

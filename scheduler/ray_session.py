@@ -25,13 +25,12 @@ from typing import Iterator
 import ray
 
 from scheduler.errors import JoinFailed
+from scheduler.gcs_kv import NAMESPACE, SERVICE_STORE_KEY, default_token_path
 from workers.backends import offered_resources
 
 PROBE_S = 3.0
 LOOPBACK = "127.0.0.1"  # the one loopback node IP that Ray 2.60 binds its gRPC servers to alone
 _NODE_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # off: Ray's Python resolves loopback names to 127.0.0.1
-NAMESPACE = "farm"  # the farm's Ray namespace: its service's actor, and its keys in Ray's internal KV
-SERVICE_STORE_KEY = b"farm-scheduler/store"
 
 
 @dataclass(frozen=True)
@@ -91,12 +90,12 @@ def _token_sources() -> str:
     """Where Ray looks for its auth token, and what it found (never the token itself)."""
     env = os.environ.get("RAY_AUTH_TOKEN")
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    default = Path.home() / ".ray" / "auth_token"
+    default = default_token_path()
     parts = [f"RAY_AUTH_TOKEN is {'set' if env else 'not set'}"]
     if path:
         parts.append(f"RAY_AUTH_TOKEN_PATH={path} ({'exists' if Path(path).is_file() else 'missing'})")
     parts.append(f"{default} {'exists' if default.is_file() else 'is missing'}")
-    return "; ".join(parts) + f"; RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset: token by default)')}"
+    return "; ".join(parts) + f"; RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset: no token is sent; set it to token)')}"
 
 
 def join_advice(address: str, target: tuple[str, int] | None, answered: bool, cause: str) -> str:

@@ -191,13 +191,15 @@ def test_a_client_finds_the_services_store_from_the_cluster_and_goes_through_ray
 
     known = tmp_path / "services.json"
     monkeypatch.setenv("FARM_KNOWN_SERVICES", str(known))
-    assert find(ray_cluster.address, None).via == "its store's inbox"  # read from the cluster's KV, then remembered
-    # …so the next client on this machine imports no Ray at all: it checks the heartbeat of the store it remembers
+    # A client imports no Ray at all: the first time on a machine it reads the service's store from the
+    # cluster's KV over gRPC (scheduler/gcs_kv.py) and remembers it; later it checks that store's heartbeat
     no_ray = ("import sys; sys.modules['ray'] = None; from farm.service_client import find; "
               f"print(find({ray_cluster.address!r}, None).via)")
-    done = subprocess.run([sys.executable, "-c", no_ray], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "FARM_KNOWN_SERVICES": str(known)})
-    assert done.returncode == 0 and done.stdout.strip() == "its store's inbox", done.stderr[-2000:]
+    for visit in ("first", "remembered"):
+        done = subprocess.run([sys.executable, "-c", no_ray], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **ray_cluster.env, "FARM_KNOWN_SERVICES": str(known)})
+        assert done.returncode == 0 and done.stdout.strip() == "its store's inbox", (visit, done.stderr[-2000:])
+        assert json.loads(known.read_text())[ray_cluster.address]["store"] == service.store_uri
 
     known.unlink()  # a machine that has not seen this cluster, where the service's store is out of reach
     elsewhere = tmp_path / "on-the-head-node-only"  # a local store of another machine
@@ -208,6 +210,33 @@ def test_a_client_finds_the_services_store_from_the_cluster_and_goes_through_ray
         assert not elsewhere.exists() and not known.exists()  # not created here by looking, nor remembered
     finally:
         _internal_kv_put(SERVICE_STORE_KEY, service.store_uri.encode(), overwrite=True, namespace=NAMESPACE.encode())
+
+
+def test_the_kv_read_without_ray_agrees_with_rays_client_and_says_when_it_cannot_read(service, ray_cluster,
+                                                                                      monkeypatch):
+    from ray.core.generated import gcs_service_pb2
+
+    from scheduler import gcs_kv
+    from scheduler.ray_session import service_store
+
+    def shape(kind):
+        return [(f.name, f.number, f.type, f.message_type and f.message_type.name) for f in kind.DESCRIPTOR.fields]
+
+    for name, kind in gcs_kv._messages().items():  # the wire format Ray's GCS speaks, as its generated classes say
+        assert shape(kind) == shape(getattr(gcs_service_pb2, name)), name
+
+    for key, value in ray_cluster.env.items():
+        if key.startswith("RAY_AUTH"):
+            monkeypatch.setenv(key, value)
+    assert gcs_kv.read_service_store(ray_cluster.address) == service_store(ray_cluster.address)
+    assert gcs_kv.read_service_store(ray_cluster.address)[0] == service.store_uri
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-clusters-token")
+    with pytest.raises(gcs_kv.Unread, match="UNAUTHENTICATED"):
+        gcs_kv.read_service_store(ray_cluster.address)
+    with pytest.raises(gcs_kv.Unread, match="UNAVAILABLE"):
+        gcs_kv.read_service_store("127.0.0.1:9")  # nothing answers: the caller falls back to Ray's client
+    with pytest.raises(gcs_kv.Unread, match="HOST:PORT"):
+        gcs_kv.read_service_store("auto")
 
 
 def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_dir, tmp_path):
