@@ -132,7 +132,7 @@ def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
         niceness = {int(t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks}
         sandbox.renew()  # the next job's child starts at the default
         assert sandbox.niceness == 0
-    assert len(tasks) > 1 and niceness == {10}, niceness
+    assert tasks and niceness == {10}, niceness  # every thread (a forked child may have one; what it starts inherits)
     rows = {line[:26].strip(): line[26:].split() for line in text.splitlines()[1:]}
     assert rows["Max address space"][0] == str(6 << 30)
     assert rows["Max file size"][0] == str(1 << 30)

@@ -1,8 +1,7 @@
-"""The sandbox child's main loop (see workers/sandbox/process.py): set our own limits before touching
-any input, then run one step per request, each in its unit's temp dir with its output in
-that request's log file, and answer in JSON.
-
-    python -m workers.sandbox.child REPLY_FD LIMITS_JSON DEVICE
+"""The sandbox child's loop (see workers/sandbox/process.py): run one step per request, each in
+its unit's temp dir with its output in that request's log file, and answer in JSON. A child is
+forked by its sandbox's zygote (workers/sandbox/zygote.py), which has imported torch, and sets
+its own limits before it reads any input.
 """
 from __future__ import annotations
 
@@ -110,24 +109,20 @@ def _die_with_parent() -> None:
         os._exit(1)  # (in a jail, pid 1 is the namespace's init, our parent, which bubblewrap ties to the worker)
 
 
-def main() -> None:
-    reply_fd, limits, device = int(sys.argv[1]), UnitLimits(**json.loads(sys.argv[2])), sys.argv[3]
-    if sys.platform == "linux":
-        _die_with_parent()
-    _apply_limits(limits, device)
+def warm_up_imports() -> None:
+    from workers.sandbox.steps import warm_up  # torch's import, paid once per child (or once per zygote)
+
+    warm_up()
+
+
+def serve(reply_fd: int, limits: UnitLimits, device: str, warmed_s: float) -> None:
+    """Say ready, then run one step per request on stdin until it closes (limits already applied)."""
+    from workers.sandbox.steps import USER_ERRORS, Steps
+
     replies = os.fdopen(reply_fd, "wb")
     requests = sys.stdin.buffer
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    from workers.sandbox.steps import (  # torch's import, paid once per child
-        USER_ERRORS,
-        Steps,
-        warm_up,
-    )
-
-    began = time.perf_counter()
-    warm_up()
-    warmed_s = time.perf_counter() - began
     _log_to_stderr()
     steps = Steps()
     _send(replies, {"ready": True, "warm_up_s": warmed_s})
@@ -162,7 +157,3 @@ def main() -> None:
         sys.stderr.flush()
         reply["step_s"] = time.perf_counter() - began
         _send(replies, reply)
-
-
-if __name__ == "__main__":
-    main()

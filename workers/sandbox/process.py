@@ -8,7 +8,11 @@ the unit as failed with the signal or limit named and the child's output in the 
 this process lives on and starts a fresh child for the next unit.
 
 The child stays warm between units (torch's import and Inductor's set-up are paid once), and
-is replaced after any failure, so a child that met a bad graph never serves another unit.
+is replaced after any failure, so a child that met a bad graph never serves another unit, and
+after each job, so no child serves two jobs. Children are forked by the sandbox's zygote
+(workers/sandbox/zygote.py), a jailed process that imported torch once and never touches input:
+a fresh child for the next job costs a fork, not torch's import. After a failure the zygote
+goes too, and the next child comes from a new one.
 
 A child runs for one device: a CPU child sees no GPU; a CUDA child sees the worker's GPU and
 is limited by RLIMIT_DATA instead of RLIMIT_AS (CUDA reserves far more address space than it
@@ -29,6 +33,7 @@ import pickle
 import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -36,7 +41,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from workers.sandbox import jail, tempdirs
 from workers.sandbox.env import child_env, jailed_env
@@ -82,8 +87,12 @@ class Sandbox:
     def __init__(self, network: bool = False) -> None:
         self.network = network
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
-        self._proc: subprocess.Popen | None = None
-        self._replies: int | None = None
+        self._proc: subprocess.Popen | None = None  # the zygote (in a jail: bubblewrap)
+        self._zygote: tuple[socket.socket, str, float] | None = None  # its control socket; its device and /tmp GiB
+        self._zygote_log: Path | None = None
+        self._requests: BinaryIO | None = None  # the current child's stdin
+        self._replies: int | None = None  # and its reply pipe
+        self._exits: list[int | None] = []  # the exit code of each child asked for, in order, once the zygote said
         self._started_for: tuple[UnitLimits, str] | None = None  # the limits and device of the running child
         self._env: dict[str, str] = {}  # the environment it inherited
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
@@ -103,10 +112,15 @@ class Sandbox:
 
     @property
     def pid(self) -> int | None:
-        """The child's pid on the host (in a jail: the Python process, not bubblewrap)."""
-        if self._proc is None or self._proc.poll() is not None:
+        """The current child's pid on the host: the zygote's one child, once it has forked it."""
+        if self._requests is None or self._proc is None or self._proc.poll() is not None:
             return None
-        return jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
+        zygote = jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
+        try:
+            children = Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split()
+        except (OSError, TypeError):
+            return None
+        return int(children[0]) if children else None
 
     @property
     def jailed(self) -> bool:
@@ -134,9 +148,9 @@ class Sandbox:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
         self.start_waited_s = 0.0
-        if self._proc is not None and self._started_for and not _same_child(self._started_for, (limits, device)):
-            self._kill()  # set when the child started: another job's limits, or another device, need a fresh one
-        if self._proc is None or self._proc.poll() is not None:
+        if self._requests is not None and self._started_for and not _same_child(self._started_for, (limits, device)):
+            self._end_child()  # set when the child started: another job's limits, or another device, need a fresh one
+        if not self._child_alive():
             self.prestart(limits, device)
         if self.jailed:
             if not cwd.resolve().is_relative_to(self.root().resolve()):
@@ -152,8 +166,8 @@ class Sandbox:
                                 "cpu_s": limits.cpu_s, "kwargs": kwargs})
         try:
             sent = time.perf_counter()
-            self._proc.stdin.write(HEADER.pack(len(request)) + request)
-            self._proc.stdin.flush()
+            self._requests.write(HEADER.pack(len(request)) + request)
+            self._requests.flush()
             reply = self._read_reply(deadline)
             self.cost.add(time.perf_counter() - sent, reply.get("step_s"))
         except (SandboxFailed, BrokenPipeError, OSError) as e:
@@ -174,37 +188,110 @@ class Sandbox:
         return {**result, "output": output}
 
     def prestart(self, limits: UnitLimits, device: str = "cpu") -> None:
-        """Start a child now, without waiting for it: it imports torch while the worker does other things."""
-        if self._proc is not None and self._proc.poll() is None:
+        """Start a child now, without waiting for it: the zygote forks it, or, where there is no
+        zygote for this device yet, imports torch first while the worker does other things."""
+        if self._child_alive():
             return
+        self._end_child()  # one that died while idle: its pipes
         if device == "cuda" and self._gpu_suspect:
             self._check_gpu()
-        self.isolation = self.isolation or jail.isolation(self.network)
+        if (self._zygote is None or self._zygote[1:] != (device, max(self._zygote[2], limits.file_gb))
+                or self._proc is None or self._proc.poll() is not None):
+            self._kill()  # none yet, or one for another device, or with a smaller /tmp than this job may fill
+            self._start_zygote(device, limits.file_gb)
         self._spawned = time.monotonic()
         home = self.root() / f"home-{self.starts}"
         home.mkdir()
         jail.make_writable(home)
+        startup_log = home / ".startup.log"  # where the child's output goes until its first step
+        requests, give_requests = os.pipe()
         read, write = os.pipe()
-        startup_log = self.root() / f"startup-{self.starts}.log"
-        startup = open(startup_log, "wb")
+        request = {"limits": asdict(limits), "home": str(home), "log": str(startup_log)}
+        try:
+            socket.send_fds(self._zygote[0], [json.dumps(request).encode()], [requests, write])
+        except OSError:  # the zygote is gone: _wait_ready says so, with its start-up log
+            pass
+        finally:
+            os.close(requests)
+            os.close(write)
+        self._requests = os.fdopen(give_requests, "wb")
+        self._replies = read
+        self._exits = [code for code in self._exits if code is None] + [None]  # (children the zygote has yet to reap)
         self._started_for = (limits, device)
+        self._startup_log = startup_log
+        self.starts += 1
+
+    def _start_zygote(self, device: str, file_gb: float) -> None:
+        """The zygote for `device`: it imports torch, then forks a child per request."""
+        self.isolation = self.isolation or jail.isolation(self.network)
+        home = self.root() / f"zygote-{self.starts}"
+        home.mkdir()
+        jail.make_writable(home)
         env = child_env(home)
         self._env = {k: v for k, v in env.items() if k != "HOME"}
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
-        argv = [sys.executable, "-m", "workers.sandbox.child", str(write), json.dumps(asdict(limits)), device]
-        how = dict(stdin=subprocess.PIPE, stdout=startup, stderr=startup, pass_fds=(write,), start_new_session=True)
-        if self.jailed:
-            env, binds = jailed_env(env)
-            self._proc = jail.spawn(argv, writable=[self.root(), *binds], home=home, cwd=home, device=device,
-                                    network=self.network, tmp_bytes=int(limits.file_gb * (1 << 30)), env=env, **how)
-        else:
-            self._proc = subprocess.Popen(argv, cwd=home, env=env, close_fds=True, **how)
-        os.close(write)
-        startup.close()
-        self._replies = read
-        self._startup_log = startup_log
-        self.starts += 1
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "workers.sandbox.zygote", str(theirs.fileno()), device]
+        self._zygote_log = self.root() / f"zygote-{self.starts}.log"
+        with open(self._zygote_log, "wb") as startup:
+            how = dict(stdin=subprocess.DEVNULL, stdout=startup, stderr=startup, pass_fds=(theirs.fileno(),),
+                       start_new_session=True)
+            if self.jailed:
+                env, binds = jailed_env(env)
+                self._proc = jail.spawn(argv, writable=[self.root(), *binds], home=home, cwd=home, device=device,
+                                        network=self.network, tmp_bytes=int(file_gb * (1 << 30)),
+                                        env=env, **how)
+            else:
+                self._proc = subprocess.Popen(argv, cwd=home, env=env, close_fds=True, **how)
+        theirs.close()
+        self._zygote = (ours, device, file_gb)
+        self._exits = []
+
+    def _child_alive(self) -> bool:
+        """Whether there is a current child that has not exited (as far as the zygote has said)."""
+        if self._requests is None or self._proc is None or self._proc.poll() is not None:
+            return False
+        self._hear_zygote(0)
+        return self._exits[-1] is None
+
+    def _hear_zygote(self, wait_s: float) -> bool:
+        """Read what the zygote said (children forked and exited), waiting up to wait_s for the
+        first word; False if it said nothing, or is gone."""
+        if self._zygote is None:
+            return False
+        heard = False
+        control = self._zygote[0]
+        while select.select([control], [], [], 0 if heard else wait_s)[0]:
+            try:
+                record = control.recv(4096)
+            except OSError:
+                return heard
+            if not record:
+                return heard
+            said = json.loads(record)
+            if "exited" in said and None in self._exits:
+                self._exits[self._exits.index(None)] = int(said["exited"])
+            heard = True
+        return heard
+
+    def _end_child(self) -> None:
+        """Stop the current child, and what it started (its process group), keeping the zygote."""
+        pid = self.pid
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for end in (self._requests,):
+            if end is not None:
+                try:
+                    end.close()
+                except OSError:
+                    pass
+        if self._replies is not None:
+            os.close(self._replies)
+        self._requests, self._replies, self._spawned = None, None, None
 
     def _check_gpu(self) -> None:
         """After a CUDA child crashed or hung: is the GPU still usable? Refuse to start one on it if not."""
@@ -225,7 +312,8 @@ class Sandbox:
             ready = self._read_reply(self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
             self._kill()
-            raise SandboxFailed(f"the sandbox did not start ({e})", _read_text(self._startup_log), retryable=True) from None
+            output = "".join(_read_text(log) for log in (self._zygote_log, self._startup_log) if log)
+            raise SandboxFailed(f"the sandbox did not start ({e})", output, retryable=True) from None
         now = time.monotonic()
         self.cost.start_s += now - self._spawned
         warm = ready.get("warm_up_s")
@@ -263,13 +351,21 @@ class Sandbox:
         return b"".join(chunks)
 
     def _death(self, limits: UnitLimits) -> str:
-        """Why the child died, once it has."""
-        try:
-            code = self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return "the sandbox stopped answering"
-        if code > 128 and self.jailed:
-            code = 128 - code  # bubblewrap exits with 128 + the signal that ended its child
+        """Why the child died, once it has: as its zygote saw it, or, where the zygote went too, as
+        the zygote ended."""
+        deadline = time.monotonic() + 10
+        while self._exits and self._exits[-1] is None and time.monotonic() < deadline:
+            self._hear_zygote(deadline - time.monotonic())
+            if self._proc.poll() is not None:
+                break
+        code = self._exits[-1] if self._exits else None
+        if code is None:
+            try:
+                code = self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return "the sandbox stopped answering"
+            if code > 128 and self.jailed:
+                code = 128 - code  # bubblewrap exits with 128 + the signal that ended its child
         if code >= 0:
             return f"the sandbox exited with status {code}"
         sig = signal.Signals(-code)
@@ -284,34 +380,32 @@ class Sandbox:
         return f"the sandbox crashed with {what}"
 
     def _kill(self) -> None:
+        """Stop the child and its zygote (in a jail, bubblewrap's whole PID namespace goes with it)."""
+        self._end_child()
+        if self._zygote is not None:
+            self._zygote[0].close()
+            self._zygote = None
         if self._proc is None:
             return
         if self._proc.poll() is None:
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)  # g++ and other grandchildren too
+                os.killpg(self._proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (self._proc.stdin,):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        if self._replies is not None:
-            os.close(self._replies)
-        self._proc, self._replies, self._spawned = None, None, None
+        self._proc = None
 
     def interrupt(self) -> None:
         """From another thread: kill the child (and the compilers it started) now. The thread in
         `call` then fails with SandboxFailed and cleans up; the next call starts a fresh child."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
+        pid = self.pid
+        if pid is not None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
 
     def restart_if_environment_changed(self) -> None:
@@ -343,17 +437,17 @@ class Sandbox:
         """After a job: its child never serves another job. A fresh one starts now, with the same
         limits, so the next job finds it warm."""
         self.niceness = 0
-        if self._proc is not None and self._started_for is not None:
+        if self._requests is not None and self._started_for is not None:
             self.retire(*self._started_for)
 
     def stop_child(self) -> None:
-        """Stop the child, starting none: the next call starts a fresh one."""
+        """Stop the child, starting none: the next call forks a fresh one."""
         self.niceness = 0
-        self._kill()
+        self._end_child()
 
     def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
-        """Replace the child with a fresh one (started now, warm by the next call)."""
-        self._kill()
+        """Replace the child with a fresh one (forked now, warm by the next call)."""
+        self._end_child()
         self.prestart(limits, device)
 
     def close(self) -> None:

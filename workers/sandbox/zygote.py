@@ -1,0 +1,93 @@
+"""A sandbox's zygote: a jailed process that imports torch once and forks a fresh child per job.
+
+    python -m workers.sandbox.zygote CONTROL_FD DEVICE
+
+No child serves two jobs, and a child that met a bad input never serves another unit; a fresh
+child used to mean a fresh Python importing torch (about 2 CPU-s), paid on every job switch of a
+farm service's worker and after every in-process job. The zygote pays it once per sandbox. It
+never reads a request or touches a graph: it only forks, so every child starts from the same
+clean state, in a process of its own, as if just started. What stays shared between children of
+one zygote is what the jail already shared between the units of one child (the sandbox's own
+dir and the private /tmp, which a child wipes before its first unit's first step).
+
+The worker asks over CONTROL_FD (a SOCK_SEQPACKET socket: one record per message) with a JSON
+record carrying the child's limits, HOME and start-up log, and two descriptors: the read end of
+its request pipe and the write end of its reply pipe. The zygote answers {"forked": PID} (its PID
+inside the jail), waits for that child, and answers {"exited": CODE} (negative: the signal that
+ended it) before it takes the next request. It exits when the worker closes the socket, and dies
+with the worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+MAX_RECORD = 1 << 16
+
+
+def _say(control: socket.socket, message: dict) -> None:
+    control.send(json.dumps(message).encode())
+
+
+def _child(request: dict, fds: list[int], device: str, warmed_s: float) -> None:
+    """In the forked child: its own process group (the worker renices and kills it by group),
+    its pipes on stdin and the reply fd, its limits, then the step loop."""
+    from workers.sandbox import child
+    from workers.unit import UnitLimits
+
+    os.setpgid(0, 0)
+    os.dup2(fds[0], 0)
+    os.close(fds[0])
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ["HOME"] = request["home"]
+    os.chdir(request["home"])
+    child._die_with_parent()  # the zygote
+    limits = UnitLimits(**request["limits"])
+    child._apply_limits(limits, device)
+    child.serve(fds[1], limits, device, warmed_s)
+
+
+def main() -> None:
+    control, device = socket.socket(fileno=int(sys.argv[1])), sys.argv[2]
+    from workers.sandbox import child
+
+    child._die_with_parent()
+    began = time.perf_counter()
+    child.warm_up_imports()
+    warmed_s = time.perf_counter() - began
+    while True:
+        try:
+            record, fds, _, _ = socket.recv_fds(control, MAX_RECORD, 2)
+        except OSError:
+            return
+        if not record:
+            return  # the worker closed the socket
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                control.close()
+                _child(json.loads(record), fds, device, warmed_s)
+            except BaseException:  # the child's own failure, in its start-up log; never back into this loop
+                traceback.print_exc()
+                status = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        for fd in fds:
+            os.close(fd)
+        _say(control, {"forked": pid})
+        _, status = os.waitpid(pid, 0)
+        _say(control, {"exited": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    main()
