@@ -85,7 +85,7 @@ class GangRank:
 
     def rest(self) -> None:
         """Between gangs (scheduler/gang_warm.py): the child that served this one never serves
-        another. A reading rank's fresh one imports torch now, so the next gang finds it warm; a
+        another. A reading rank's fresh one is forked now, so the next gang finds it warm; a
         waiting rank rests without one, as it starts (most gangs never need its child)."""
         if self.reads:
             self.sandbox.renew()

@@ -25,7 +25,7 @@ class CompileWorker:
         self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
         self.sandbox = Sandbox()  # warm across units; replaced after a unit that failed in it
-        self.sandbox.prestart(limits, device)  # imports torch while the pool starts
+        self.sandbox.prestart(limits, device)  # its zygote imports torch while the pool starts
         # what the host's CPU runs (asked of Inductor once per host, seconds of probe builds): learnt
         # while the child starts, and before the first unit's clock starts
         self.host_facts = threading.Thread(target=cpu_fingerprint if device == "cpu" else lambda: None, daemon=True)
@@ -48,8 +48,8 @@ class CompileWorker:
         return result
 
     def rest(self) -> None:
-        """Idle in a farm service: the child that served a job is replaced by a fresh one, which
-        imports torch now, so the next unit, of whichever job, finds it warm and clean."""
+        """Idle in a farm service: the child that served a job is replaced by a fresh one, forked
+        now by the sandbox's zygote, so the next unit, of whichever job, finds it warm and clean."""
         with self._child:
             if self.served is not None:
                 self.sandbox.renew()

@@ -129,9 +129,12 @@ def test_a_gpu_that_fails_its_check_after_a_crash_gets_no_new_sandbox(monkeypatc
         sandbox._gpu_suspect = True  # as after a CUDA child crashed (tests/test_gpu.py crashes a real one)
         with pytest.raises(SandboxFailed, match="GPU failed its check.*computed nan") as failed:
             sandbox.prestart(UnitLimits(), "cuda")
-        assert failed.value.retryable and sandbox.pid is None
+        assert failed.value.retryable and sandbox.pid is None and sandbox.starts == 0
         sandbox.prestart(UnitLimits(), "cpu")  # CPU work on this host goes on
-        assert sandbox.pid is not None
+        deadline = time.monotonic() + 120  # its child is forked once the zygote has imported torch
+        while sandbox.pid is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sandbox.pid is not None and sandbox.starts == 1
     cuda.forget()
 
 

@@ -140,6 +140,37 @@ def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
     assert int(rows["Max cpu time"][0]) <= 30 * (os.cpu_count() or 1) + 60  # this request's budget, not unlimited
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir):
+    """No child serves two jobs: `renew` (a job ended) gives a new process, forked by the zygote
+    that imported torch once; a stopped sandbox keeps nothing of torch running."""
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        children = []
+        for job in range(2):
+            reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                                 program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+            assert len(reply["identity"]["program"]) == 64
+            children.append((sandbox.pid, _parent(sandbox.pid)))
+            sandbox.renew()
+        sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))  # a third job
+        zygote = _parent(sandbox.pid)
+        assert len({children[0][0], children[1][0], sandbox.pid}) == 3 and sandbox.starts == 3
+        assert children[0][1] == children[1][1] == zygote and not Path(f"/proc/{children[0][0]}").exists()
+        sandbox.stop_child()
+        assert sandbox.pid is None
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{zygote}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{zygote}").exists()
+
+
 def test_what_a_child_unpacks_goes_with_its_unit(compiled, zoo_dir, tmp_path):
     """torch's AOTInductor loader unpacks every artifact it loads into $TMPDIR/aotinductor_*, and
     only the model's destructor removes it; a child is always killed in the end. The unpacked

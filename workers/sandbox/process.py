@@ -441,9 +441,10 @@ class Sandbox:
             self.retire(*self._started_for)
 
     def stop_child(self) -> None:
-        """Stop the child, starting none: the next call forks a fresh one."""
+        """Stop the child and its zygote, starting none (nothing of torch stays in memory): the
+        next call starts both afresh."""
         self.niceness = 0
-        self._end_child()
+        self._kill()
 
     def retire(self, limits: UnitLimits, device: str = "cpu") -> None:
         """Replace the child with a fresh one (forked now, warm by the next call)."""
