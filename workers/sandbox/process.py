@@ -401,7 +401,9 @@ class Sandbox:
     def interrupt(self) -> None:
         """From another thread: kill the child (and the compilers it started) now. The thread in
         `call` then fails with SandboxFailed and cleans up; the next call starts a fresh child."""
-        pid = self.pid
+        pid, zygote = self.pid, self._proc
+        if pid is None and zygote is not None and zygote.poll() is None:
+            pid = zygote.pid  # no child forked yet: the zygote, which the waiting call then finds gone
         if pid is not None:
             try:
                 os.killpg(pid, signal.SIGKILL)
