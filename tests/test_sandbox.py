@@ -130,6 +130,8 @@ def test_limits_are_set_in_the_child(tmp_path, zoo_dir):
         text = Path(f"/proc/{sandbox.pid}/limits").read_text()
         tasks = list(Path(f"/proc/{sandbox.pid}/task").iterdir())
         niceness = {int(t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks}
+        autogroup = Path(f"/proc/{sandbox.pid}/autogroup")  # its session's share of the CPU, where Linux has them
+        assert not autogroup.exists() or autogroup.read_text().split()[-1] == "10", autogroup.read_text()
         sandbox.renew()  # the next job's child starts at the default
         assert sandbox.niceness == 0
     assert tasks and niceness == {10}, niceness  # every thread (a forked child may have one; what it starts inherits)

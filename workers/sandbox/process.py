@@ -427,11 +427,19 @@ class Sandbox:
 
     def _renice(self) -> None:
         """Every thread of the child and of what it started (g++, Inductor's compile workers) is in
-        its process group; PRIO_PGRP sets them all (PRIO_PROCESS would set one thread)."""
+        its process group; PRIO_PGRP sets them all (PRIO_PROCESS would set one thread). The child
+        is also its own session, which Linux's autogroup scheduling (on by default,
+        /proc/sys/kernel/sched_autogroup_enabled) makes a group that shares the CPU with other
+        sessions by the group's niceness alone: a thread's own niceness weighs only against the
+        threads of its session. So the session's is set too, or a nightly's children would take
+        as much CPU as an interactive job's, each in a session of its own."""
         pid = self.pid
         if self.niceness and pid:
             try:
                 os.setpriority(os.PRIO_PGRP, os.getpgid(pid), self.niceness)
+                autogroup = Path(f"/proc/{pid}/autogroup")
+                if autogroup.exists():
+                    autogroup.write_text(str(self.niceness))
             except OSError as e:  # ran on, at the default priority
                 log.warning("sandbox child %d not reniced to %d: %s", pid, self.niceness, e)
 

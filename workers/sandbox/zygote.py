@@ -34,12 +34,13 @@ def _say(control: socket.socket, message: dict) -> None:
 
 
 def _child(request: dict, fds: list[int], device: str, warmed_s: float) -> None:
-    """In the forked child: its own process group (the worker renices and kills it by group),
-    its pipes on stdin and the reply fd, its limits, then the step loop."""
+    """In the forked child: its own session and process group (the worker renices and kills it
+    by group, and sets the session's CPU share: process.Sandbox._renice), its pipes on stdin and
+    the reply fd, its limits, then the step loop."""
     from workers.sandbox import child
     from workers.unit import UnitLimits
 
-    os.setpgid(0, 0)
+    os.setsid()
     os.dup2(fds[0], 0)
     os.close(fds[0])
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
