@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -146,6 +147,30 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _stray_in_jail_of(pid: int) -> tuple[subprocess.Popen, int]:
+    """A process in the jail's PID namespace, in no process group of the child's (nsenter, as root)."""
+    stray = subprocess.Popen(["nsenter", "-t", str(pid), "-p", "--", "sleep", "300"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        inside = Path(f"/proc/{stray.pid}/task/{stray.pid}/children").read_text().split()
+        if inside:
+            return stray, int(inside[0])
+        time.sleep(0.05)
+    raise AssertionError("nsenter started nothing in the jail")
+
+
+def _gone(pid: int, wait_s: float = 10) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir):
     """No child serves two jobs: `renew` (a job ended) gives a new process, forked by the zygote
     that imported torch once; a stopped sandbox keeps nothing of torch running."""
@@ -153,13 +178,18 @@ def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir
 
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
     with Sandbox() as sandbox, sandbox.workdir() as workdir:
-        children = []
+        children, strays = [], []
         for job in range(2):
             reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
                                  program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
             assert len(reply["identity"]["program"]) == 64
             children.append((sandbox.pid, _parent(sandbox.pid)))
+            if sandbox.jailed and os.getuid() == 0 and shutil.which("nsenter"):
+                strays.append(_stray_in_jail_of(sandbox.pid))  # as if the child had left one running
             sandbox.renew()
+            for stray, pid in strays:  # gone with the job's child: nothing of it meets the next job's
+                assert _gone(pid), f"process {pid}, left in the jail, outlived its job's child"
+                stray.wait(timeout=30)
         sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
                      program=shutil.copy(zoo_dir / "mlp.pt2", workdir))  # a third job
         zygote = _parent(sandbox.pid)

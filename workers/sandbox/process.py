@@ -276,13 +276,17 @@ class Sandbox:
         return heard
 
     def _end_child(self) -> None:
-        """Stop the current child, and what it started (its process group), keeping the zygote."""
+        """Stop the current child, and what it started (its process group), keeping the zygote; in
+        a jail, every other process in it too (one the child started in a session of its own), so
+        nothing of one job's child outlives it beside the next job's."""
         pid = self.pid
         if pid is not None:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if self.jailed and self._proc is not None and self._proc.poll() is None:
+            _sweep_jail(jail.jailed_pid(self._proc.pid))
         for end in (self._requests,):
             if end is not None:
                 try:
@@ -465,6 +469,25 @@ class Sandbox:
         self._kill()
         if self._base is not None:
             shutil.rmtree(self._base, ignore_errors=True)
+
+
+def _sweep_jail(zygote: int | None) -> None:
+    """SIGKILL every process in the zygote's PID namespace but the zygote and the namespace's init."""
+    if zygote is None:
+        return
+    try:
+        namespace = os.readlink(f"/proc/{zygote}/ns/pid")
+        keep = {zygote, int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])}
+    except (OSError, ValueError, IndexError):
+        return
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in keep:
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") == namespace:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to look at
+            pass
 
 
 def _same_child(a: tuple[UnitLimits, str], b: tuple[UnitLimits, str]) -> bool:

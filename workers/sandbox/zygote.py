@@ -8,7 +8,11 @@ farm service's worker and after every in-process job. The zygote pays it once pe
 never reads a request or touches a graph: it only forks, so every child starts from the same
 clean state, in a process of its own, as if just started. What stays shared between children of
 one zygote is what the jail already shared between the units of one child (the sandbox's own
-dir and the private /tmp, which a child wipes before its first unit's first step).
+dir and the private /tmp, which a child wipes before its first unit's first step). In a jail the
+zygote is not dumpable, so a child (same uid, same jail) cannot read or write its memory, and
+ptrace is refused by the jail's seccomp filter; as a job's child ends, the worker kills every
+other process in the jail but the zygote (process.Sandbox._end_child), so nothing a child left
+running meets the next job's.
 
 The worker asks over CONTROL_FD (a SOCK_SEQPACKET socket: one record per message) with a JSON
 record carrying the child's limits, HOME and start-up log, and two descriptors: the read end of
@@ -29,6 +33,13 @@ import traceback
 MAX_RECORD = 1 << 16
 
 
+def _not_dumpable(on: bool) -> None:
+    import ctypes
+
+    PR_SET_DUMPABLE = 4
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0 if on else 1)
+
+
 def _say(control: socket.socket, message: dict) -> None:
     control.send(json.dumps(message).encode())
 
@@ -41,6 +52,8 @@ def _child(request: dict, fds: list[int], device: str, warmed_s: float) -> None:
     from workers.unit import UnitLimits
 
     os.setsid()
+    if os.environ.get("FARM_JAIL_TMP"):
+        _not_dumpable(False)  # as a freshly started process is (the worker reads its /proc files)
     os.dup2(fds[0], 0)
     os.close(fds[0])
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -60,6 +73,8 @@ def main() -> None:
     from workers.sandbox import child
 
     child._die_with_parent()
+    if os.environ.get("FARM_JAIL_TMP"):  # its children, same uid in the same jail, cannot read or write its memory (/proc/PID/mem)
+        _not_dumpable(True)
     began = time.perf_counter()
     child.warm_up_imports()
     warmed_s = time.perf_counter() - began
