@@ -99,7 +99,7 @@ def read_history(store: Store) -> pa.Table:
         data = store.backend.read(path) if match else None
         if data is None:
             continue
-        table = pq.read_table(io.BytesIO(data))
+        table = pq.read_table(io.BytesIO(data), use_threads=False)  # no Arrow thread pool: storage/results.py
         tables.append(table.append_column("date", pa.array([match.group(1)] * len(table), pa.string())))
     if not tables:
         return HISTORY_SCHEMA.empty_table().append_column("date", pa.array([], pa.string()))

@@ -69,8 +69,11 @@ def write_results(store: Store, job_id: str, rows: Iterable[dict[str, Any]]) -> 
 
 def read_results_table(store: Store, job_id: str) -> pa.Table | None:
     data = store.get_job_file(job_id, RESULTS_FILE)
-    # ParquetFile, not read_table: that one imports pyarrow.dataset (0.2 s, in every CLI call that prints results)
-    return None if data is None else pq.ParquetFile(io.BytesIO(data)).read()
+    # ParquetFile, not read_table: that one imports pyarrow.dataset (0.2 s, in every CLI call that prints results).
+    # No threads: Arrow's thread pool, once a read starts it, can abort the process as it exits ("terminate
+    # called without an active exception", SIGABRT; apache/arrow#34314). `farm submit --address` did so in 5
+    # runs of 60 after a job that went well, and in none of 60 reading without it. The tables are small.
+    return None if data is None else pq.ParquetFile(io.BytesIO(data)).read(use_threads=False)
 
 
 def read_results(store: Store, job_id: str) -> list[dict[str, Any]] | None:
