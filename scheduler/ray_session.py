@@ -95,7 +95,8 @@ def _token_sources() -> str:
     if path:
         parts.append(f"RAY_AUTH_TOKEN_PATH={path} ({'exists' if Path(path).is_file() else 'missing'})")
     parts.append(f"{default} {'exists' if default.is_file() else 'is missing'}")
-    return "; ".join(parts) + f"; RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset: no token is sent; set it to token)')}"
+    mode = os.environ.get("RAY_AUTH_MODE", "(unset: no token is sent; set it to token)")
+    return "; ".join(parts) + f"; RAY_AUTH_MODE={mode}"
 
 
 def join_advice(address: str, target: tuple[str, int] | None, answered: bool, cause: str) -> str:

@@ -110,7 +110,7 @@ def _die_with_parent() -> None:
 
 
 def warm_up_imports() -> None:
-    from workers.sandbox.steps import warm_up  # torch's import, paid once per child (or once per zygote)
+    from workers.sandbox.steps import warm_up  # torch's import, paid once per zygote
 
     warm_up()
 

@@ -73,8 +73,8 @@ def main() -> None:
     from workers.sandbox import child
 
     child._die_with_parent()
-    if os.environ.get("FARM_JAIL_TMP"):  # its children, same uid in the same jail, cannot read or write its memory (/proc/PID/mem)
-        _not_dumpable(True)
+    if os.environ.get("FARM_JAIL_TMP"):
+        _not_dumpable(True)  # its children (same uid, same jail) cannot read or write its memory: /proc/PID/mem
     began = time.perf_counter()
     child.warm_up_imports()
     warmed_s = time.perf_counter() - began
