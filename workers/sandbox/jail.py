@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,35 @@ def spawn(argv: Sequence[str], *, writable: Sequence[Writable], home: Path, cwd:
         os.close(seccomp)
 
 
+def first_child(pid: int) -> int | None:
+    """The first child of pid (a host pid), or None: it has none, or is gone."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def sweep(zygote: int | None) -> None:
+    """SIGKILL every process in the zygote's PID namespace but the zygote and the namespace's init
+    (workers/sandbox/zygote.py: nothing a job's child left running meets the next job's)."""
+    if zygote is None:
+        return
+    try:
+        namespace = os.readlink(f"/proc/{zygote}/ns/pid")
+        keep = {zygote, int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])}
+    except (OSError, ValueError, IndexError):
+        return
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in keep:
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") == namespace:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to look at
+            pass
+
+
 def jailed_pid(bwrap_pid: int, wait_s: float = 2.0) -> int | None:
     """The host pid of the jailed command: bubblewrap's child is the new PID namespace's init,
     whose child is the command (setpriv execs it in place). Waits the moment bubblewrap takes to
@@ -266,11 +296,9 @@ def jailed_pid(bwrap_pid: int, wait_s: float = 2.0) -> int | None:
     while True:
         pid: int | None = bwrap_pid
         for _ in range(2):
-            try:
-                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            except OSError:
+            if not Path(f"/proc/{pid}").exists():
                 return None
-            pid = int(children[0]) if children else None
+            pid = first_child(pid)
             if pid is None:
                 break
         if pid is not None or time.monotonic() > deadline:

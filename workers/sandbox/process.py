@@ -116,11 +116,7 @@ class Sandbox:
         if self._requests is None or self._proc is None or self._proc.poll() is not None:
             return None
         zygote = jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
-        try:
-            children = Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split()
-        except (OSError, TypeError):
-            return None
-        return int(children[0]) if children else None
+        return None if zygote is None else jail.first_child(zygote)
 
     @property
     def jailed(self) -> bool:
@@ -286,7 +282,7 @@ class Sandbox:
             except (ProcessLookupError, PermissionError):
                 pass
         if self.jailed and self._proc is not None and self._proc.poll() is None:
-            _sweep_jail(jail.jailed_pid(self._proc.pid))
+            jail.sweep(jail.jailed_pid(self._proc.pid))
         for end in (self._requests,):
             if end is not None:
                 try:
@@ -469,25 +465,6 @@ class Sandbox:
         self._kill()
         if self._base is not None:
             shutil.rmtree(self._base, ignore_errors=True)
-
-
-def _sweep_jail(zygote: int | None) -> None:
-    """SIGKILL every process in the zygote's PID namespace but the zygote and the namespace's init."""
-    if zygote is None:
-        return
-    try:
-        namespace = os.readlink(f"/proc/{zygote}/ns/pid")
-        keep = {zygote, int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])}
-    except (OSError, ValueError, IndexError):
-        return
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in keep:
-            continue
-        try:
-            if os.readlink(f"/proc/{entry.name}/ns/pid") == namespace:
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:  # gone meanwhile, or not ours to look at
-            pass
 
 
 def _same_child(a: tuple[UnitLimits, str], b: tuple[UnitLimits, str]) -> bool:
