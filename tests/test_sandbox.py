@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -159,13 +160,18 @@ def _stray_in_jail_of(pid: int) -> tuple[subprocess.Popen, int]:
     raise AssertionError("nsenter started nothing in the jail")
 
 
+def _state(pid: int) -> str:
+    """R, S, T (stopped), Z (a zombie), ...; "" once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 def _gone(pid: int, wait_s: float = 10) -> bool:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except OSError:
+        if _state(pid) in ("Z", ""):
             return True
         time.sleep(0.05)
     return False
@@ -195,6 +201,15 @@ def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir
         zygote = _parent(sandbox.pid)
         assert len({children[0][0], children[1][0], sandbox.pid}) == 3 and sandbox.starts == 3
         assert children[0][1] == children[1][1] == zygote and not Path(f"/proc/{children[0][0]}").exists()
+        os.kill(zygote, signal.SIGSTOP)  # as a child could (same uid): a stopped zygote would fork nothing
+        deadline = time.monotonic() + 10
+        while _state(zygote) != "T" and time.monotonic() < deadline:  # the signal takes effect as it is scheduled
+            time.sleep(0.05)
+        sandbox.renew()
+        sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))  # at once, from a new zygote
+        assert _gone(zygote), "the stopped zygote was left in place"
+        zygote = _parent(sandbox.pid)
         sandbox.stop_child()
         assert sandbox.pid is None
         deadline = time.monotonic() + 10

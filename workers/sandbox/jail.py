@@ -268,6 +268,15 @@ def first_child(pid: int) -> int | None:
     return int(children[0]) if children else None
 
 
+def stopped(pid: int) -> bool:
+    """Whether pid (a host pid) is stopped by a signal or traced: a stopped zygote forks nothing,
+    and the worker's next call would wait out its start-up limit."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def sweep(zygote: int | None) -> None:
     """SIGKILL every process in the zygote's PID namespace but the zygote and the namespace's init
     (workers/sandbox/zygote.py: nothing a job's child left running meets the next job's)."""

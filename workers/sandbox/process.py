@@ -192,8 +192,10 @@ class Sandbox:
         if device == "cuda" and self._gpu_suspect:
             self._check_gpu()
         if (self._zygote is None or self._zygote[1:] != (device, max(self._zygote[2], limits.file_gb))
-                or self._proc is None or self._proc.poll() is not None):
-            self._kill()  # none yet, or one for another device, or with a smaller /tmp than this job may fill
+                or self._proc is None or self._proc.poll() is not None or self._zygote_stopped()):
+            # none yet, or one for another device, or with a smaller /tmp than this job may fill, or
+            # one a child stopped (same uid: SIGSTOP reaches it) that would never fork the next
+            self._kill()
             self._start_zygote(device, limits.file_gb)
         self._spawned = time.monotonic()
         home = self.root() / f"home-{self.starts}"
@@ -243,6 +245,10 @@ class Sandbox:
         theirs.close()
         self._zygote = (ours, device, file_gb)
         self._exits = []
+
+    def _zygote_stopped(self) -> bool:
+        pid = jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
+        return pid is None or jail.stopped(pid)
 
     def _child_alive(self) -> bool:
         """Whether there is a current child that has not exited (as far as the zygote has said)."""
