@@ -230,7 +230,9 @@ class Sandbox:
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [sys.executable, "-m", "workers.sandbox.zygote", str(theirs.fileno()), device]
+        # -P: `-m` would put its cwd (this HOME, which children may write) first on the import path
+        # that every later child inherits, so one job's child could plant a module for the next's
+        argv = [sys.executable, "-P", "-m", "workers.sandbox.zygote", str(theirs.fileno()), device]
         self._zygote_log = self.root() / f"zygote-{self.starts}.log"
         with open(self._zygote_log, "wb") as startup:
             how = dict(stdin=subprocess.DEVNULL, stdout=startup, stderr=startup, pass_fds=(theirs.fileno(),),
