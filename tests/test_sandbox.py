@@ -218,6 +218,28 @@ def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir
         assert not Path(f"/proc/{zygote}").exists()
 
 
+def test_a_refused_input_ends_its_child_and_the_next_is_forked_by_the_same_zygote(zoo_dir):
+    """A bad graph in a nightly costs the next unit a fork, not torch's import: the zygote never
+    saw the input. The child that met it never serves another unit."""
+    from workers.sandbox.process import SandboxFailed
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        child, zygote = sandbox.pid, _parent(sandbox.pid)
+        (workdir / "junk.pt2").write_bytes(b"not a program")
+        with pytest.raises(SandboxFailed, match="junk|archive|zip"):
+            sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120,
+                         unit=Unit(graph="junk", source="junk.pt2", target=Target("aoti-cpu"), program=None),
+                         program=str(workdir / "junk.pt2"))
+        assert sandbox.pid is None and _gone(child)
+        sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        assert sandbox.pid != child and _parent(sandbox.pid) == zygote and sandbox.starts == 2
+
+
 def test_what_a_child_unpacks_goes_with_its_unit(compiled, zoo_dir, tmp_path):
     """torch's AOTInductor loader unpacks every artifact it loads into $TMPDIR/aotinductor_*, and
     only the model's destructor removes it; a child is always killed in the end. The unpacked

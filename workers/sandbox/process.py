@@ -11,8 +11,10 @@ The child stays warm between units (torch's import and Inductor's set-up are pai
 is replaced after any failure, so a child that met a bad graph never serves another unit, and
 after each job, so no child serves two jobs. Children are forked by the sandbox's zygote
 (workers/sandbox/zygote.py), a jailed process that imported torch once and never touches input:
-a fresh child for the next job costs a fork, not torch's import. After a failure the zygote
-goes too, and the next child comes from a new one.
+a fresh child for the next job costs a fork, not torch's import. A step that refused its input
+ends only the child (the zygote never saw the input, and every other process in the jail goes
+with the child); after a crash, a hang or a blown limit the zygote goes too, and the next child
+comes from a new one.
 
 A child runs for one device: a CPU child sees no GPU; a CUDA child sees the worker's GPU and
 is limited by RLIMIT_DATA instead of RLIMIT_AS (CUDA reserves far more address space than it
@@ -175,7 +177,7 @@ class Sandbox:
         output = _read_text(log)
         if reply.get("error"):
             self._gpu_suspect |= device == "cuda" and "CUDA error" in str(reply["error"])  # e.g. an illegal address
-            self._kill()  # a child that met a bad input never serves another unit
+            self._end_child()  # a child that met a bad input never serves another unit; its zygote never saw it
             raise SandboxFailed(str(reply["error"])[:4000], output, retryable=bool(reply.get("retryable")))
         result = reply.get("result")
         if not isinstance(result, dict):
