@@ -17,5 +17,5 @@ SeaweedFS S3 on http://127.0.0.1:$port (data in $dir). In another shell:
   .venv/bin/python -c "import boto3; boto3.client('s3').create_bucket(Bucket='farm')"
   FARM_STORE=s3://farm/store ./dev demo
 MSG
-exec "$weed" mini -dir="$dir" -ip=127.0.0.1 -ip.bind=127.0.0.1 -master.telemetry=false -admin.ui=false \
+TMPDIR=$dir exec "$weed" mini -dir="$dir" -ip=127.0.0.1 -ip.bind=127.0.0.1 -master.telemetry=false -admin.ui=false \
   -s3.port="$port" -s3.port.iceberg=0 -s3.port.lance=0
