@@ -13,16 +13,14 @@ def load_compiled(artifact: str | Path, weights_from: ExportedProgram | str | Pa
     it returns its outputs as a list). For a package built with `weights: shapes`, `weights_from`
     (an exported program, or the .pt2 it was saved to) supplies the checkpoint it runs with;
     without it the package runs with the weights it was built with."""
-    import torch
-
-    from workers.backends.aoti_cpu import load_with_weights, program_constants
+    from workers.backends.aoti_cpu import aoti_load, load_with_weights, program_constants
     from workers.backends.executorch import is_pte, load_pte
     from workers.sandbox.program import load_program
 
     if is_pte(Path(artifact)):
         return load_pte(Path(artifact))
     if weights_from is None:
-        return torch._inductor.aoti_load_package(str(artifact))
+        return aoti_load(Path(artifact))
     ep = weights_from if isinstance(weights_from, ExportedProgram) else load_program(Path(weights_from), str(weights_from))
     return load_with_weights(Path(artifact), program_constants(ep))
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -238,6 +239,33 @@ def test_a_refused_input_ends_its_child_and_the_next_is_forked_by_the_same_zygot
         sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
                      program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
         assert sandbox.pid != child and _parent(sandbox.pid) == zygote and sandbox.starts == 2
+
+
+PROBES = """
+import sys
+from torch._inductor import cpu_vec_isa
+probed = []
+probe = cpu_vec_isa.VecISA._probe_load
+cpu_vec_isa.VecISA._probe_load = lambda self, path: probed.append(str(self)) or probe(self, path)
+from farm.loading import load_compiled
+load_compiled(sys.argv[1])
+print(len(probed))
+"""
+
+
+def test_loading_a_package_asks_the_hosts_record_not_a_probe_per_isa(compiled, tmp_path):
+    """torch's loader asks Inductor for the host's vector ISAs, which builds a probe per ISA in
+    the process's own Inductor cache (4 s of g++ in a jailed child's) and loads each in a fresh
+    Python (0.65 s in every process after). The host's record answers instead, in a sandbox child
+    and in a training job's process alike."""
+    _, _, package, _ = compiled
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    recorded = subprocess.run([sys.executable, "-c", "from workers.backends import cpu_isa; cpu_isa.host_vec_isas()"],
+                              env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert recorded.returncode == 0, recorded.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", PROBES, str(package)], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0", f"the load probed {out.stdout.split()[-1]} ISAs"
 
 
 def test_what_a_child_unpacks_goes_with_its_unit(compiled, zoo_dir, tmp_path):

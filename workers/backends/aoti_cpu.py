@@ -61,11 +61,21 @@ def program_constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
     return {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
 
 
-def load_with_weights(artifact: Path, constants: dict[str, torch.Tensor]) -> Callable[..., Any]:
-    """Load a `weights: shapes` package and swap in another checkpoint's weights."""
+def aoti_load(artifact: Path) -> Any:
+    """torch's `aoti_load_package`, with Inductor seeing the host's vector ISAs from the host's
+    record. The loader asks Inductor for them (get_device_information, on every device), which
+    builds a probe per ISA in the process's Inductor cache and loads each in a fresh Python: a
+    jailed child's cache is not where its node probed, so a worker's first load built 5 probes
+    (4 s here), and every later process still loaded them (0.65 s)."""
     import torch
 
-    model = torch._inductor.aoti_load_package(str(artifact))
+    with cpu_isa.vec_isas_from_host_record():
+        return torch._inductor.aoti_load_package(str(artifact))
+
+
+def load_with_weights(artifact: Path, constants: dict[str, torch.Tensor]) -> Callable[..., Any]:
+    """Load a `weights: shapes` package and swap in another checkpoint's weights."""
+    model = aoti_load(artifact)
     needed = model.get_constant_fqns()
     missing = sorted(set(needed) - set(constants))
     if missing:
@@ -76,11 +86,9 @@ def load_with_weights(artifact: Path, constants: dict[str, torch.Tensor]) -> Cal
 
 def load_package(artifact: Path, target: Target, ep: ExportedProgram | None) -> Callable[..., Any]:
     """The package's model; under `weights: shapes`, running with ep's weights."""
-    import torch
-
     if target.weights == "shapes" and ep is not None:
         return load_with_weights(artifact, program_constants(ep))
-    return torch._inductor.aoti_load_package(str(artifact))
+    return aoti_load(artifact)
 
 
 def weights_facts(target: Target) -> dict[str, str]:
