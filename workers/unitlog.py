@@ -9,9 +9,16 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import traceback
 import warnings
 from typing import Iterator
+
+# File descriptors 1 and 2, Inductor's loggers and the warnings filters are the process's, so one
+# unit at a time may redirect them: units of jobs run at once in threads (in-process jobs, the
+# farm service's scheduler) each saved and restored what the other had set, and left fd 2 on a
+# unit's deleted temp file and Inductor's log on its closed stream.
+_capturing = threading.Lock()
 
 
 class UnitLog:
@@ -36,7 +43,19 @@ class UnitLog:
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Send file descriptors 1 and 2 (so subprocesses and C++ too), Inductor's INFO log
-        and Python warnings here."""
+        and Python warnings here; while another thread's unit has them, this unit's log keeps
+        only what its sandbox says (the step's own output comes back with its reply)."""
+        if not _capturing.acquire(blocking=False):
+            yield
+            return
+        try:
+            with self._process_output():
+                yield
+        finally:
+            _capturing.release()
+
+    @contextlib.contextmanager
+    def _process_output(self) -> Iterator[None]:
         with tempfile.TemporaryFile(mode="w+b") as sink:
             sys.stdout.flush()
             sys.stderr.flush()
