@@ -90,6 +90,7 @@ class Sandbox:
         self.network = network
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
         self._proc: subprocess.Popen | None = None  # the zygote (in a jail: bubblewrap)
+        self._zygote_host_pid: int | None = None  # the zygote's own pid on the host, once looked up
         self._zygote: tuple[socket.socket, str, float] | None = None  # its control socket; its device and /tmp GiB
         self._zygote_log: Path | None = None
         self._requests: BinaryIO | None = None  # the current child's stdin
@@ -117,7 +118,7 @@ class Sandbox:
         """The current child's pid on the host: the zygote's one child, once it has forked it."""
         if self._requests is None or self._proc is None or self._proc.poll() is not None:
             return None
-        zygote = jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
+        zygote = self._zygote_pid()
         return None if zygote is None else jail.first_child(zygote)
 
     @property
@@ -250,9 +251,15 @@ class Sandbox:
         self._zygote = (ours, device, file_gb)
         self._exits = []
 
+    def _zygote_pid(self) -> int | None:
+        """The zygote's host pid, looked up in /proc once per zygote (a job switch asks thrice)."""
+        if self._zygote_host_pid is None and self._proc is not None:
+            self._zygote_host_pid = jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
+        return self._zygote_host_pid
+
     def _zygote_stopped(self) -> bool:
-        pid = jail.jailed_pid(self._proc.pid) if self.jailed else self._proc.pid
-        return pid is None or jail.stopped(pid)
+        pid = self._zygote_pid()
+        return pid is None or jail.stopped_or_gone(pid)
 
     def _child_alive(self) -> bool:
         """Whether there is a current child that has not exited (as far as the zygote has said)."""
@@ -292,13 +299,10 @@ class Sandbox:
             except (ProcessLookupError, PermissionError):
                 pass
         if self.jailed and self._proc is not None and self._proc.poll() is None:
-            jail.sweep(jail.jailed_pid(self._proc.pid))
-        for end in (self._requests,):
-            if end is not None:
-                try:
-                    end.close()
-                except OSError:
-                    pass
+            jail.sweep(self._zygote_pid())
+        if self._requests is not None:
+            with contextlib.suppress(OSError):
+                self._requests.close()
         if self._replies is not None:
             os.close(self._replies)
         self._requests, self._replies, self._spawned = None, None, None
@@ -406,7 +410,7 @@ class Sandbox:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        self._proc = None
+        self._proc = self._zygote_host_pid = None
 
     def interrupt(self) -> None:
         """From another thread: kill the child (and the compilers it started) now. The thread in
