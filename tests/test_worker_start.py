@@ -144,3 +144,38 @@ def test_what_inductor_says_of_the_host_is_asked_again_for_another_torch_or_a_da
     assert ask()["vec_isas"] == ["avx2"] and len(asked) == 3
     monkeypatch.setattr(inductor_host, "cpu_identity", lambda: {"model": "another CPU", "flags": "0"})
     assert ask()["can_pin"] is True and len(asked) == 4 and len(list(tmp_path.glob("farm-host-checks/*.json"))) == 2
+
+
+FIRST_LOWERING = """
+import json, sys, tempfile, threading
+from pathlib import Path
+from workers.sandbox.steps import warm_up
+warm_up()  # what the zygote does before it forks a child per job
+threads = [t.name for t in threading.enumerate()]
+from tqdm import std
+tqdm_made = [n for c, n in ((std.tqdm, "_lock"), (std.TqdmDefaultWriteLock, "mp_lock")) if n in c.__dict__]
+import torch
+from torch._inductor.fx_passes import joint_graph
+from workers.backends import resolve
+from workers.unit import Target
+target = Target("aoti-cpu", "avx2")
+imported, traced = set(sys.modules), joint_graph.lazy_init.cache_info().misses
+resolve(target).lower(torch.export.load(sys.argv[1]), target, Path(tempfile.mkdtemp()))
+new = sorted(m for m in set(sys.modules) - imported if m.split(".")[0] in ("torch", "torchgen", "sympy"))
+print("FOUND " + json.dumps({"threads": threads, "tqdm_made": tqdm_made, "imported": new,
+                             "traced": joint_graph.lazy_init.cache_info().misses - traced}))
+"""
+
+
+def test_a_childs_first_lowering_imports_and_traces_nothing_its_zygote_could_have(zoo_dir, tmp_path):
+    """A child is forked per job, so what a process does on its first lowering (import Inductor's
+    code generators, sympy's modules, trace Inductor's pattern-matcher passes: 0.8 s of a job's
+    first unit here) is done once, in the zygote. The zygote still forks with no Python thread and no
+    lock its children would share (tqdm's, which fx's interpreter makes)."""
+    out = subprocess.run([sys.executable, "-c", FIRST_LOWERING, str(zoo_dir / "mlp.pt2")], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+                              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.split("FOUND ", 1)[1])
+    assert found == {"threads": ["MainThread"], "tqdm_made": [], "imported": [], "traced": 0}

@@ -8,6 +8,7 @@ check), so a unit loads its graph once.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -289,3 +290,62 @@ def warm_up() -> None:
     import torch._inductor.select_algorithm  # noqa: F401
     import torch.export.pt2_archive._package  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401
+
+    for name in FIRST_LOWERING_IMPORTS:
+        with contextlib.suppress(ImportError):  # a module another torch version does not have
+            importlib.import_module(name)
+    _register_inductor_patterns()
+
+
+# What an AOTInductor lowering imports the first time a process lowers, beyond the imports above:
+# Inductor's code generators for every device (its backend registration imports them all, even
+# for a CPU graph), torch.export's tracer, the package writer, and sympy's modules that its
+# simplification imports. Each fresh child imported them again in its first lowering.
+FIRST_LOWERING_IMPORTS = (
+    "sympy.physics.units", "sympy.tensor.tensor", "sympy.combinatorics",
+    "torch._export.passes.add_runtime_assertions_for_constraints_pass", "torch.export._trace", "torch.export._unlift",
+    "torch._inductor.bounds", "torch._inductor.choices", "torch._inductor.extern_node_serializer",
+    "torch._inductor.package.package", "torch._inductor.codegen.cpp_wrapper_cpu_array_ref",
+    "torch._inductor.codegen.cpp_wrapper_gpu", "torch._inductor.codegen.cpp_wrapper_mps",
+    "torch._inductor.codegen.cuda_combined_scheduling", "torch._inductor.codegen.halide", "torch._inductor.codegen.mps",
+    "torch._inductor.codegen.pallas", "torch._inductor.codegen.python_wrapper_mtia",
+    "torch._inductor.codegen.wrapper_fxir", "torch._inductor.codegen.xpu.xpu_combined_scheduling",
+    "torch._inductor.codegen.segmented_tree", "torch._inductor.codegen.cpu_device_op_overrides",
+    "torch._inductor.codegen.cuda.device_op_overrides", "torch._inductor.codegen.mps_device_op_overrides",
+    "torch._inductor.codegen.mtia.device_op_overrides", "torch._inductor.codegen.xpu.device_op_overrides",
+    "torch._inductor.fx_passes.freezing_patterns", "torch._subclasses.schema_check_mode",
+    "torch.fx.experimental.validator", "torch.utils.serialization", "torchgen.aoti.fallback_ops",
+)
+
+
+def _register_inductor_patterns() -> None:
+    """Inductor's pattern-matcher passes, traced once per process as it first compiles (0.3 CPU-s
+    here, in every child's first lowering), are traced in the zygote for CPU graphs. Their
+    registration reads no config, so a child forked with them is as a process that compiled
+    once before. (Not Inductor's backend registration, which picks a wrapper by the config at
+    hand: that stays with the child's first lowering and its unit's options.)"""
+    from torch._inductor.fx_passes import joint_graph, post_grad, pre_grad
+
+    with _tqdm_left_unstarted():
+        joint_graph.lazy_init(torch.device("cpu"))
+        post_grad.lazy_init()
+        pre_grad.lazy_init()
+
+
+@contextlib.contextmanager
+def _tqdm_left_unstarted() -> Iterator[None]:
+    """fx's interpreter opens a (disabled) tqdm bar per run, and tqdm's first bar starts a monitor
+    thread and makes a multiprocessing lock. A zygote forks with no thread, and its children
+    must share no lock: one killed holding it would hang the others. So tqdm is left as
+    imported: each child makes its own, as it did before."""
+    from tqdm import std
+
+    interval = std.tqdm.monitor_interval
+    std.tqdm.monitor_interval = 0  # no monitor thread
+    try:
+        yield
+    finally:
+        std.tqdm.monitor_interval = interval
+        for cls, made in ((std.tqdm, "_lock"), (std.TqdmDefaultWriteLock, "mp_lock")):
+            if made in cls.__dict__:
+                delattr(cls, made)
