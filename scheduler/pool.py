@@ -181,15 +181,8 @@ class WorkerPool:
                 queues[resource].append(_Pending(unit))
 
     def _most_starved(self, queues) -> str | None:
-        """The device class with the fewest workers per unit it could take, among those with fewer
-        workers than the slots the cluster offers for them and than those units. A class's units
-        include those of the classes it covers, and its workers those of the classes covering it;
-        on a tie the class that could take the most units wins (a covering one)."""
-        workers = collections.Counter(s.resource for s in self.slots)
-        demand = {r: len(q) + sum(len(queues.get(c, ())) for c in self._covers.get(r, ())) for r, q in queues.items()}
-        serving = {r: sum(n for c, n in workers.items() if c == r or r in self._covers.get(c, ())) for r in queues}
-        wanting = [r for r in queues if demand[r] and workers[r] < int(self._offered.get(r, 0)) and serving[r] < demand[r]]
-        return min(wanting, key=lambda r: (serving[r] / demand[r], -demand[r], r), default=None)
+        return most_starved({r: len(q) for r, q in queues.items()}, collections.Counter(s.resource for s in self.slots),
+                            self._covers, self._offered)
 
     def _next(self, slot: _Slot, queues) -> _Pending | None:
         """The slot's next unit, of the class with the fewest units running now among its own and
@@ -291,6 +284,18 @@ class WorkerPool:
                 result.retries = retries
                 events.finished(unit, result)
                 yield unit, result
+
+
+def most_starved(units: dict[str, int], workers: collections.Counter, covers: dict[str, set[str]],
+                 offered: dict[str, float]) -> str | None:
+    """The device class with the fewest workers per unit it could take, among those with fewer
+    workers than the slots the cluster offers for them and than those units. A class's units
+    include those of the classes it covers, and its workers those of the classes covering it;
+    on a tie the class that could take the most units wins (a covering one)."""
+    demand = {r: n + sum(units.get(c, 0) for c in covers.get(r, ())) for r, n in units.items()}
+    serving = {r: sum(n for c, n in workers.items() if c == r or r in covers.get(c, ())) for r in units}
+    wanting = [r for r in units if demand[r] and workers[r] < int(offered.get(r, 0)) and serving[r] < demand[r]]
+    return min(wanting, key=lambda r: (serving[r] / demand[r], -demand[r], r), default=None)
 
 
 def unoffered(placement: Placement, offered: dict[str, float]) -> str | None:

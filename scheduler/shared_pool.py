@@ -98,6 +98,7 @@ class SharedPool(BurstWorkers):
         self.slots: list[_Slot] = []
         self.queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._placements: dict[str, tuple[Placement, str, UnitLimits]] = {}
+        self._covers: dict[str, set[str]] = {}  # device class → the classes its workers also build
         self._held = 0  # CPUs lent to gangs
         self._lent: list[str] = []  # classes of workers that left for a gang: started again, warm, after it
         self._offered: dict[str, float] = cluster.offered()
@@ -137,7 +138,8 @@ class SharedPool(BurstWorkers):
             job = self.jobs[job_id] = _Job(job_id, priority)
             self.fair.add(job_id, priority, cap)
         job.total += len(units)
-        for unit in units:
+        # largest first: a job's small units fill the gaps at its end, not a large one alone after them
+        for unit in sorted(units, key=lambda u: -u.program.size if u.program else 0):
             placement = _route(unit)
             if placement is None:  # cannot be placed anywhere: the pipeline says why, at once
                 job.outbox.put(("unplaceable", unit, None))
@@ -145,8 +147,21 @@ class SharedPool(BurstWorkers):
             self._placements[placement.device_class] = (placement, resolve(unit.target).device, unit.limits)
             self.queues[placement.device_class].append(_Pending(unit, job_id))
             job.queued += 1
+        self._covers = self._covering()
         self._wake.set()
         return job
+
+    def _covering(self) -> dict[str, set[str]]:
+        """Device class → the known classes its workers also build (an avx2 worker builds x86-64
+        code: `Placement.covers`), where every node that offers the class offers those too: a
+        job's mix of ISAs then needs no worker per ISA, and none is stopped to start another."""
+        nodes = self.cluster.nodes()
+        covers = {}
+        for resource, (placement, _, _) in self._placements.items():
+            offering = [n for n in nodes if resource in n]
+            covers[resource] = {c for c in placement.covers
+                                if c in self._placements and offering and all(c in n for n in offering)}
+        return covers
 
     def _drain(self, job: _Job, expected: int, store, events) -> Iterator[tuple[Unit, UnitResult]]:
         from workers.pipeline import run_unit  # unplaceable units fail with the pipeline's reason
@@ -292,30 +307,33 @@ class SharedPool(BurstWorkers):
         """The class of a worker that left for a gang, once the pool has room for it again."""
         return self._lent.pop(0) if self._lent else None
 
-    def _wanting(self, resource: str) -> set[str]:
-        return {p.job for p in self.queues.get(resource, ())}
-
     def _take(self, slot: _Slot, only: str | None = None) -> _Pending | None:
-        """The slot's next unit: the first queued one of the job fair share picks (of class `only`)."""
-        q = self.queues.get(slot.resource)
-        if not q:
-            return None
-        job = self.fair.pick({j for j in self._wanting(slot.resource) if only is None or self._priority(j) == only})
+        """The slot's next unit: the first queued one of the job fair share picks (of priority
+        `only`) among those with a unit of the slot's class or of one it covers; of that job's
+        classes, the one with the fewest units running (a cold node's workers then build two
+        ISAs' precompiled headers at once, not one after the other under its lock), on a tie its own."""
+        classes = [slot.resource, *sorted(self._covers.get(slot.resource, ()))]
+        wanting = {p.job for c in classes for p in self.queues.get(c, ())}
+        job = self.fair.pick({j for j in wanting if only is None or self._priority(j) == only})
         if job is None:
             return None
+        running = collections.Counter(s.taken_from for s in self.slots if s.future is not None)
+        having = [c for c in classes if any(p.job == job for p in self.queues.get(c, ()))]
+        chosen = min(having, key=lambda c: (running[c], c != slot.resource))
+        q = self.queues[chosen]
         p = next(p for p in q if p.job == job)
         q.remove(p)
+        slot.taken_from = chosen
         return p
 
     def _starved(self) -> str | None:
-        """The class with queued units and the fewest workers per queued unit, among those the
-        cluster offers more slots for."""
+        """The class whose units (queued and running, with those of the classes it covers) have
+        the fewest workers each, among those the cluster offers more slots for
+        (scheduler.pool.most_starved)."""
         workers = collections.Counter(s.resource for s in self.slots if not s.burst)
-        offered = self._offered
-        wanting = [r for r, q in self.queues.items()
-                   if q and workers[r] < min(int(offered.get(r, 0)), len(q) + sum(s.future is not None for s in self.slots
-                                                                                   if s.resource == r))]
-        return min(wanting, key=lambda r: (workers[r] / len(self.queues[r]), r), default=None)
+        running = collections.Counter(s.taken_from for s in self.slots if s.future is not None and not s.burst)
+        units = {r: len(q) + running[r] for r, q in self.queues.items() if q}
+        return pool.most_starved(units, workers, self._covers, self._offered)
 
     def _unofferable(self) -> None:
         """Units of a class no node offers fail at once, with what to do."""
@@ -437,7 +455,8 @@ class SharedPool(BurstWorkers):
                     self._restart(slot)
                     self._unit_ended(p)
                     if p.retries < self.config.retries and p.job in self.jobs and p.job not in self._cancelled:
-                        self.queues[slot.resource].appendleft(_Pending(p.unit, p.job, p.retries + 1))
+                        again = _Pending(p.unit, p.job, p.retries + 1)
+                        self.queues[slot.taken_from or slot.resource].appendleft(again)
                         self.jobs[p.job].queued += 1
                         self.jobs[p.job].outbox.put(("retried", p.unit, None))
                         continue

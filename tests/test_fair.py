@@ -279,3 +279,28 @@ def test_warm_gang_ranks_serve_only_their_shape_are_renewed_between_gangs_and_le
     assert reader in cluster.stopped and waiter not in cluster.stopped  # idle past idle_s; lent ones stay
     assert warm.take(("node-a", "cpu", True)) is None
     pool.stop()
+
+
+def _sized(graph: str, isa: str, size: int) -> Unit:
+    return Unit(graph, f"{graph}.pt2", Target("aoti-cpu", isa), BlobRef("0" * 64, size), limits=UnitLimits())
+
+
+def test_a_jobs_isas_share_the_services_workers_and_its_largest_units_go_first():
+    """A nightly of avx2 and x86-64 units on a host that builds both: the service's avx2 workers
+    build the x86-64 units too, so no worker stops for another ISA's to start (each start is a
+    torch import), and each job's largest units start first, the small ones filling the end."""
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0, "farm_cpu_x86_64": 2.0}
+    pool = SharedPool(cluster, "mem://", ServiceConfig())
+    units = [_sized(f"{isa}-{size}", isa, size) for isa in ("avx2", "x86-64") for size in (1, 5, 3)]
+    box: dict = {}
+    _run_job(pool, "nightly", "nightly", units, box).join(timeout=10)
+    assert sorted(r.status for _, r in box["nightly"]) == ["compiled"] * 6
+    assert all("/farm_cpu_avx2/" in name for name in cluster.names), cluster.names  # burst workers too
+    assert len([name for name in cluster.names if "/worker/" in name]) == 2, cluster.names
+    x86_by = Counter(name for name, label in cluster.ran if label == "aoti-cpu:x86-64")
+    assert sum(x86_by.values()) == 3 and all("/farm_cpu_avx2/" in name for name in x86_by), x86_by
+    order = [u.graph for u, _ in box["nightly"]]
+    for isa in ("avx2", "x86-64"):
+        assert [g for g in order if g.startswith(isa)] == [f"{isa}-5", f"{isa}-3", f"{isa}-1"]
+    pool.stop()
