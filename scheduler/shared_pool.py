@@ -139,7 +139,7 @@ class SharedPool(BurstWorkers):
             self.fair.add(job_id, priority, cap)
         job.total += len(units)
         # largest first: a job's small units fill the gaps at its end, not a large one alone after them
-        for unit in sorted(units, key=lambda u: -u.program.size if u.program else 0):
+        for unit in sorted(units, key=lambda u: -_size(u)):
             placement = _route(unit)
             if placement is None:  # cannot be placed anywhere: the pipeline says why, at once
                 job.outbox.put(("unplaceable", unit, None))
@@ -308,23 +308,21 @@ class SharedPool(BurstWorkers):
         return self._lent.pop(0) if self._lent else None
 
     def _take(self, slot: _Slot, only: str | None = None) -> _Pending | None:
-        """The slot's next unit: the first queued one of the job fair share picks (of priority
-        `only`) among those with a unit of the slot's class or of one it covers; of that job's
-        classes, the one with the fewest units running (a cold node's workers then build two
-        ISAs' precompiled headers at once, not one after the other under its lock), on a tie its own."""
+        """The slot's next unit: of the job fair share picks (of priority `only`) among those with
+        a unit of the slot's class or of one it covers, the largest it can take; between equal
+        ones, that of the class with the fewest units running (a cold node's workers then build
+        two ISAs' precompiled headers at once, not one after the other under its lock), then its own."""
         classes = [slot.resource, *sorted(self._covers.get(slot.resource, ()))]
         wanting = {p.job for c in classes for p in self.queues.get(c, ())}
         job = self.fair.pick({j for j in wanting if only is None or self._priority(j) == only})
         if job is None:
             return None
         running = collections.Counter(s.taken_from for s in self.slots if s.future is not None)
-        having = [c for c in classes if any(p.job == job for p in self.queues.get(c, ()))]
-        chosen = min(having, key=lambda c: (running[c], c != slot.resource))
-        q = self.queues[chosen]
-        p = next(p for p in q if p.job == job)
-        q.remove(p)
+        firsts = {c: p for c in classes if (p := next((p for p in self.queues.get(c, ()) if p.job == job), None))}
+        chosen = min(firsts, key=lambda c: (-_size(firsts[c].unit), running[c], c != slot.resource))
+        self.queues[chosen].remove(firsts[chosen])
         slot.taken_from = chosen
-        return p
+        return firsts[chosen]
 
     def _starved(self) -> str | None:
         """The class whose units (queued and running, with those of the classes it covers) have
@@ -496,6 +494,10 @@ class SharedPool(BurstWorkers):
                                              f"{self.config.start_attempts} times in a row; the last said: {error}",
                                     retryable=True))
         self._failed_starts[slot.resource] = 0
+
+
+def _size(unit: Unit) -> int:
+    return unit.program.size if unit.program else 0
 
 
 def _cancelled(unit: Unit, why: str, running: bool) -> UnitResult:
