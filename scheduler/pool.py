@@ -298,6 +298,17 @@ def most_starved(units: dict[str, int], workers: collections.Counter, covers: di
     return min(wanting, key=lambda r: (serving[r] / demand[r], -demand[r], r), default=None)
 
 
+def covered_everywhere(placements: dict[str, Placement], nodes: list[dict[str, float]]) -> dict[str, set[str]]:
+    """Device class → the classes among `placements` its workers also build (an avx2 worker builds
+    x86-64 code: `Placement.covers`) wherever they run: every node that offers the class offers
+    those too, so a worker needs to hold no slot of theirs (unlike a job's own pool's, `holding`)."""
+    covers = {}
+    for resource, placement in placements.items():
+        offering = [n for n in nodes if resource in n]
+        covers[resource] = {c for c in placement.covers if c in placements and offering and all(c in n for n in offering)}
+    return covers
+
+
 def unoffered(placement: Placement, offered: dict[str, float]) -> str | None:
     """Why no worker of the placement's class can start on a cluster that offers `offered`, with
     what to do; None if one can."""

@@ -147,21 +147,11 @@ class SharedPool(BurstWorkers):
             self._placements[placement.device_class] = (placement, resolve(unit.target).device, unit.limits)
             self.queues[placement.device_class].append(_Pending(unit, job_id))
             job.queued += 1
-        self._covers = self._covering()
+        # a job's mix of ISAs needs no worker per ISA, and none is stopped to start another
+        placements = {r: placement for r, (placement, _, _) in self._placements.items()}
+        self._covers = pool.covered_everywhere(placements, self.cluster.nodes())
         self._wake.set()
         return job
-
-    def _covering(self) -> dict[str, set[str]]:
-        """Device class → the known classes its workers also build (an avx2 worker builds x86-64
-        code: `Placement.covers`), where every node that offers the class offers those too: a
-        job's mix of ISAs then needs no worker per ISA, and none is stopped to start another."""
-        nodes = self.cluster.nodes()
-        covers = {}
-        for resource, (placement, _, _) in self._placements.items():
-            offering = [n for n in nodes if resource in n]
-            covers[resource] = {c for c in placement.covers
-                                if c in self._placements and offering and all(c in n for n in offering)}
-        return covers
 
     def _drain(self, job: _Job, expected: int, store, events) -> Iterator[tuple[Unit, UnitResult]]:
         from workers.pipeline import run_unit  # unplaceable units fail with the pipeline's reason

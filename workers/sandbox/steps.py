@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -291,10 +292,17 @@ def warm_up() -> None:
     import torch.export.pt2_archive._package  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401
 
+    # What follows only saves children work: should another torch version lack or break any of
+    # it, a child does it as its first lowering would, and the zygote still starts.
     for name in FIRST_LOWERING_IMPORTS:
-        with contextlib.suppress(ImportError):  # a module another torch version does not have
+        try:
             importlib.import_module(name)
-    _register_inductor_patterns()
+        except Exception as e:  # noqa: BLE001
+            print(f"sandbox warm-up: not imported ahead: {name} ({type(e).__name__}: {e})", file=sys.stderr)
+    try:
+        _register_inductor_patterns()
+    except Exception as e:  # noqa: BLE001
+        print(f"sandbox warm-up: Inductor's patterns not traced ahead ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 # What an AOTInductor lowering imports the first time a process lowers, beyond the imports above:
