@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +34,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--candidates", default="default,max_autotune,freezing")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="farm-autotune-"))
     sys.path.insert(0, str(REPO))
+    from bench.scratch import scratch_dir
+
+    root = scratch_dir("farm-autotune-")
     from farm.zoo import export_zoo
 
     graphs = [str(p) for p in export_zoo(root / "zoo")]

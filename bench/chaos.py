@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.scratch import scratch_dir  # noqa: E402  (the repo's root is on sys.path now)
 TARGET = "aoti-cpu"
 
 
@@ -95,7 +97,7 @@ def main() -> None:
     from tests.faulty_proxy import FaultyProxy
     from tests.seaweed import start_seaweed
 
-    work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    work = scratch_dir("chaos-")
     graphs = export_graphs(work, args.graphs)
     server = start_seaweed(work / "weed")
     server.create_bucket("chaos")

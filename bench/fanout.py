@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -100,8 +99,10 @@ def main() -> None:
     args = ap.parse_args()
     isas = args.isa or ["avx2", "x86-64"]
     targets = [f"aoti-cpu:{i}" for i in isas]
-    root = Path(tempfile.mkdtemp(prefix="farm-bench-"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.scratch import scratch_dir
+
+    root = scratch_dir("farm-bench-")
     from farm.zoo import export_zoo
 
     graphs = [str(p) for p in export_zoo(root / "zoo")]

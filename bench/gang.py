@@ -27,7 +27,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -80,7 +79,9 @@ def main() -> None:
     from farm.zoo import export_zoo
     from tests.gang_models import shards
 
-    root = Path(tempfile.mkdtemp(prefix="farm-bench-gang-"))
+    from bench.scratch import scratch_dir
+
+    root = scratch_dir("farm-bench-gang-")
     (graph,) = export_zoo(root / "zoo", [args.model])
     for r in range(args.ranks):
         shutil.copy(graph, root / f"rank{r}.pt2")

@@ -30,12 +30,13 @@ import secrets
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.scratch import scratch_dir  # noqa: E402  (the repo's root is on sys.path now)
 
 
 def _free_port() -> int:
@@ -127,7 +128,7 @@ def main() -> None:
     parser.add_argument("--hit-only", action="store_true", help="only the CLI hit through the service")
     args = parser.parse_args()
     sizes = [] if args.hit_only else args.nightly or [16, 64]
-    tmp = Path(tempfile.mkdtemp(prefix="farm-bench-shared-"))
+    tmp = scratch_dir("farm-bench-shared-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
            "FARM_KNOWN_SERVICES": str(tmp / "known-services.json")}

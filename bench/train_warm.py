@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -99,10 +98,12 @@ def main() -> None:
     if args.child:
         child(*args.child)
         return
-    root = Path(tempfile.mkdtemp(prefix="farm-train-warm-"))
+    sys.path.insert(0, str(ROOT))
+    from bench.scratch import scratch_dir
+
+    root = scratch_dir("farm-train-warm-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "farm-worker")  # the farm's own, apart from both sides
     os.environ["TRITON_CACHE_DIR"] = str(root / "farm-worker" / "triton")
-    sys.path.insert(0, str(ROOT))
 
     from farm.zoo import export_zoo
     from scheduler.jobs import execute

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,9 +38,11 @@ def main() -> None:
     ap.add_argument("--store", help="store URI (default: a fresh local directory)")
     ap.add_argument("--ray", action="store_true", help="also run cold and warm through an embedded Ray")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="farm-warm-"))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # before torch is imported
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.scratch import scratch_dir
+
+    root = scratch_dir("farm-warm-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # before torch is imported
 
     from scheduler.spec import parse_job
     from farm.zoo import export_zoo
