@@ -169,7 +169,7 @@ print("FOUND " + json.dumps({"threads": threads, "tqdm_made": tqdm_made, "import
 
 def test_a_childs_first_lowering_imports_and_traces_nothing_its_zygote_could_have(zoo_dir, tmp_path):
     """A child is forked per job, so what a process does on its first lowering (import Inductor's
-    code generators, sympy's modules, trace Inductor's pattern-matcher passes: 0.8 s of a job's
+    code generators, sympy's modules, trace Inductor's pattern-matcher passes: 0.9 s of a job's
     first unit here) is done once, in the zygote. The zygote still forks with no Python thread and no
     lock its children would share (tqdm's, which fx's interpreter makes)."""
     out = subprocess.run([sys.executable, "-c", FIRST_LOWERING, str(zoo_dir / "mlp.pt2")], cwd=tmp_path,

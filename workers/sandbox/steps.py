@@ -277,8 +277,9 @@ USER_ERRORS = (StepFailed, ProgramError, LoweringError)
 def warm_up() -> None:
     """Imports every step needs, paid once by the sandbox's zygote (workers/sandbox/zygote.py),
     whose children are forked with them: a lowering's modules too (Inductor's compiler, its
-    passes and code generators, Dynamo's), which a child's first lowering would otherwise import.
-    Imports only: nothing here starts a thread or a process, so the zygote forks safely."""
+    passes and code generators, Dynamo's), which a child's first lowering would otherwise import,
+    and Inductor's pattern-matcher passes, traced. Nothing here starts a thread or a process or
+    leaves a lock its children would share, so the zygote forks safely."""
     import torch._dynamo  # noqa: F401
     import torch._export.serde.serialize  # noqa: F401
     import torch._functorch.aot_autograd  # noqa: F401
