@@ -201,6 +201,7 @@ def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir
                      program=shutil.copy(zoo_dir / "mlp.pt2", workdir))  # a third job
         zygote = _parent(sandbox.pid)
         assert len({children[0][0], children[1][0], sandbox.pid}) == 3 and sandbox.starts == 3
+        assert "warmed the lowering" not in sandbox._zygote_log.read_text()  # no child lowered: nothing paid for it
         assert children[0][1] == children[1][1] == zygote and not Path(f"/proc/{children[0][0]}").exists()
         os.kill(zygote, signal.SIGSTOP)  # as a child could (same uid): a stopped zygote would fork nothing
         deadline = time.monotonic() + 10
@@ -239,6 +240,28 @@ def test_a_refused_input_ends_its_child_and_the_next_is_forked_by_the_same_zygot
         sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
                      program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
         assert sandbox.pid != child and _parent(sandbox.pid) == zygote and sandbox.starts == 2
+
+
+def test_once_a_child_has_lowered_its_zygote_warms_the_lowering_for_the_next_jobs(zoo_dir, tmp_path):
+    """A worker's next jobs fork their children from a zygote that has done what a first lowering
+    does beyond the imports; a zygote whose children never lowered (a worker that only met hits)
+    never paid for it. See test_worker_start.py for what that warm-up covers."""
+    from scheduler.jobs import run_units_in
+    from workers.unit import Target, Unit
+
+    job = parse_job({"name": "warm", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]})
+    with Sandbox() as sandbox:
+        outcome = execute(job, store_from_uri(str(tmp_path / "store")),
+                          lambda units, store, events: run_units_in(sandbox, units, store, events))
+        assert [r.status for r in outcome.results] == ["compiled"]
+        zygote, log = _parent(sandbox.pid), sandbox._zygote_log
+        assert "warmed the lowering" not in log.read_text()  # the first job's child lowered as any process
+        sandbox.renew()  # the job ended: the next job's child is forked now
+        with sandbox.workdir() as workdir:
+            unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+            sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                         program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        assert _parent(sandbox.pid) == zygote and "warmed the lowering" in log.read_text()
 
 
 PROBES = """

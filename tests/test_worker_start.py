@@ -149,8 +149,9 @@ def test_what_inductor_says_of_the_host_is_asked_again_for_another_torch_or_a_da
 FIRST_LOWERING = """
 import json, sys, tempfile, threading
 from pathlib import Path
-from workers.sandbox.steps import warm_up
+from workers.sandbox.steps import warm_up, warm_up_lowering
 warm_up()  # what the zygote does before it forks a child per job
+warm_up_lowering()  # and once one of its children has lowered
 threads = [t.name for t in threading.enumerate()]
 from tqdm import std
 tqdm_made = [n for c, n in ((std.tqdm, "_lock"), (std.TqdmDefaultWriteLock, "mp_lock")) if n in c.__dict__]
@@ -170,8 +171,9 @@ print("FOUND " + json.dumps({"threads": threads, "tqdm_made": tqdm_made, "import
 def test_a_childs_first_lowering_imports_and_traces_nothing_its_zygote_could_have(zoo_dir, tmp_path):
     """A child is forked per job, so what a process does on its first lowering (import Inductor's
     code generators, sympy's modules, trace Inductor's pattern-matcher passes: 0.9 s of a job's
-    first unit here) is done once, in the zygote. The zygote still forks with no Python thread and no
-    lock its children would share (tqdm's, which fx's interpreter makes)."""
+    first unit here) is done once, in the zygote, once a child of it has lowered. The zygote
+    still forks with no Python thread and no lock its children would share (tqdm's, which fx's
+    interpreter makes)."""
     out = subprocess.run([sys.executable, "-c", FIRST_LOWERING, str(zoo_dir / "mlp.pt2")], cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},

@@ -96,6 +96,7 @@ class Sandbox:
         self._requests: BinaryIO | None = None  # the current child's stdin
         self._replies: int | None = None  # and its reply pipe
         self._exits: list[int | None] = []  # the exit code of each child asked for, in order, once the zygote said
+        self._lowered = False  # a child of this zygote lowered: it warms the lowering for its next (zygote.py)
         self._started_for: tuple[UnitLimits, str] | None = None  # the limits and device of the running child
         self._env: dict[str, str] = {}  # the environment it inherited
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
@@ -146,7 +147,7 @@ class Sandbox:
              **kwargs: Any) -> dict[str, Any]:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
-        self.start_waited_s = 0.0
+        self.start_waited_s, self._lowered = 0.0, self._lowered or step == "lower"
         if self._requests is not None and self._started_for and not _same_child(self._started_for, (limits, device)):
             self._end_child()  # set when the child started: another job's limits, or another device, need a fresh one
         if not self._child_alive():
@@ -207,7 +208,7 @@ class Sandbox:
         startup_log = home / ".startup.log"  # where the child's output goes until its first step
         requests, give_requests = os.pipe()
         read, write = os.pipe()
-        request = {"limits": asdict(limits), "home": str(home), "log": str(startup_log)}
+        request = {"limits": asdict(limits), "home": str(home), "log": str(startup_log), "warm_lowering": self._lowered}
         try:
             socket.send_fds(self._zygote[0], [json.dumps(request).encode()], [requests, write])
         except OSError:  # the zygote is gone: _wait_ready says so, with its start-up log
@@ -248,8 +249,7 @@ class Sandbox:
             else:
                 self._proc = subprocess.Popen(argv, cwd=home, env=env, close_fds=True, **how)
         theirs.close()
-        self._zygote = (ours, device, file_gb)
-        self._exits = []
+        self._zygote, self._exits, self._lowered = (ours, device, file_gb), [], False
 
     def _zygote_pid(self) -> int | None:
         """The zygote's host pid, looked up in /proc once per zygote (a job switch asks thrice)."""

@@ -277,9 +277,8 @@ USER_ERRORS = (StepFailed, ProgramError, LoweringError)
 def warm_up() -> None:
     """Imports every step needs, paid once by the sandbox's zygote (workers/sandbox/zygote.py),
     whose children are forked with them: a lowering's modules too (Inductor's compiler, its
-    passes and code generators, Dynamo's), which a child's first lowering would otherwise import,
-    and Inductor's pattern-matcher passes, traced. Nothing here starts a thread or a process or
-    leaves a lock its children would share, so the zygote forks safely."""
+    passes and code generators, Dynamo's), which a child's first lowering would otherwise import.
+    Imports only: nothing here starts a thread or a process, so the zygote forks safely."""
     import torch._dynamo  # noqa: F401
     import torch._export.serde.serialize  # noqa: F401
     import torch._functorch.aot_autograd  # noqa: F401
@@ -293,8 +292,14 @@ def warm_up() -> None:
     import torch.export.pt2_archive._package  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401
 
-    # What follows only saves children work: should another torch version lack or break any of
-    # it, a child does it as its first lowering would, and the zygote still starts.
+
+def warm_up_lowering() -> None:
+    """What a process's first lowering does beyond warm_up's imports (0.5 CPU-s here, 0.9 s of a
+    job's first unit): import Inductor's code generators and sympy's modules, trace Inductor's
+    pattern-matcher passes. The zygote does it once one of its children has lowered, so the next
+    children fork with it done (workers/sandbox/zygote.py). Nothing here starts a thread or
+    leaves a lock its children would share. It only saves children work: should another torch
+    version lack or break any of it, a child does it as its first lowering would."""
     for name in FIRST_LOWERING_IMPORTS:
         try:
             importlib.import_module(name)
