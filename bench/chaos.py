@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scratch import scratch_dir  # noqa: E402  (the repo's root is on sys.path now)
+
 TARGET = "aoti-cpu"
 
 
