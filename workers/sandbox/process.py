@@ -147,7 +147,8 @@ class Sandbox:
              **kwargs: Any) -> dict[str, Any]:
         """Run one step in the child for device ("cpu" or "cuda"), in the unit's temp dir cwd, until
         the monotonic deadline."""
-        self.start_waited_s, self._lowered = 0.0, self._lowered or step == "lower"
+        self.start_waited_s = 0.0
+        self._lowered |= step == "lower"  # the zygote warms the lowering before it forks the next child
         if self._requests is not None and self._started_for and not _same_child(self._started_for, (limits, device)):
             self._end_child()  # set when the child started: another job's limits, or another device, need a fresh one
         if not self._child_alive():

@@ -70,7 +70,7 @@ def _child(request: dict, fds: list[int], device: str, warmed_s: float) -> None:
     child.serve(fds[1], limits, device, warmed_s)
 
 
-def _warm_lowering() -> bool:
+def _warm_lowering() -> None:
     """Once a child of ours has lowered, this zygote will likely fork more that lower (a worker's
     next jobs): what a process's first lowering does beyond the imports (steps.warm_up_lowering)
     is done here, once, for all of them. A zygote whose children only name programs never pays it."""
@@ -80,7 +80,6 @@ def _warm_lowering() -> bool:
     warm_up_lowering()
     print(f"sandbox zygote: warmed the lowering for the next children in {time.perf_counter() - began:.1f} s",
           file=sys.stderr, flush=True)
-    return True
 
 
 def main() -> None:
@@ -103,7 +102,8 @@ def main() -> None:
             return  # the worker closed the socket
         request = json.loads(record)
         if request.get("warm_lowering") and not lowering_warmed:
-            lowering_warmed = _warm_lowering()
+            _warm_lowering()
+            lowering_warmed = True
         pid = os.fork()
         if pid == 0:
             status = 0
