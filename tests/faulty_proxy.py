@@ -56,6 +56,14 @@ class FaultyProxy:
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()
+        # stopped: end the connections still open here, on this loop, before it closes (left to the
+        # garbage collector, their coroutines closed on a closed loop: "Event loop is closed")
+        server.close()
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.close()
 
     def _pick(self) -> str | None:
         return self._random.choice(self.faults) if self._random.random() < self.rate else None
