@@ -242,6 +242,32 @@ def test_a_refused_input_ends_its_child_and_the_next_is_forked_by_the_same_zygot
         assert sandbox.pid != child and _parent(sandbox.pid) == zygote and sandbox.starts == 2
 
 
+class _PoisonedZygoteSandbox(Sandbox):
+    zygote_module = "tests.poisoned_zygote"
+
+
+def test_a_cuda_child_whose_zygote_initialized_cuda_starts_a_fresh_python(zoo_dir):
+    """A child forked from a process that had initialized CUDA cannot use it ('Cannot re-initialize
+    CUDA in forked subprocess': every aoti-cuda unit failed so on a lent H100). A CUDA zygote's
+    own checks ask NVML, which a fork survives; should it reach the CUDA runtime anyway (another
+    torch, no NVML on the host), the job's child becomes a fresh Python, still in its place."""
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cuda"), program=None)
+    with _PoisonedZygoteSandbox() as sandbox, sandbox.workdir() as workdir:
+        for job in range(2):
+            reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, device="cuda",
+                                 unit=unit, program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+            assert len(reply["identity"]["program"]) == 64
+            zygote = _parent(sandbox.pid)
+            assert "workers.sandbox.child" in Path(f"/proc/{sandbox.pid}/cmdline").read_text()
+            sandbox.renew()
+        environ = Path(f"/proc/{sandbox._zygote_pid()}/environ").read_bytes().split(b"\0")
+        assert b"PYTORCH_NVML_BASED_CUDA_CHECK=1" in environ and sandbox._zygote_pid() == zygote
+        started = [log.read_text() for log in sandbox.root().glob("home-*/.startup.log")]
+        assert len(started) == 2 and all("starts a fresh Python" in text for text in started), started
+
+
 def test_once_a_child_has_lowered_its_zygote_warms_the_lowering_for_the_next_jobs(zoo_dir, tmp_path):
     """A worker's next jobs fork their children from a zygote that has done what a first lowering
     does beyond the imports; a zygote whose children never lowered (a worker that only met hits)

@@ -157,3 +157,20 @@ def serve(reply_fd: int, limits: UnitLimits, device: str, warmed_s: float) -> No
         sys.stderr.flush()
         reply["step_s"] = time.perf_counter() - began
         _send(replies, reply)
+
+
+def main() -> None:
+    """A child started as a fresh Python, by a zygote's forked child that cannot use CUDA
+    (zygote._start_fresh): its limits, session, stdin and output are the forked child's.
+
+        python -m workers.sandbox.child REPLY_FD DEVICE LIMITS_JSON
+    """
+    reply_fd, device, limits = int(sys.argv[1]), sys.argv[2], UnitLimits(**json.loads(sys.argv[3]))
+    _die_with_parent()
+    began = time.perf_counter()
+    warm_up_imports()
+    serve(reply_fd, limits, device, time.perf_counter() - began)
+
+
+if __name__ == "__main__":
+    main()

@@ -86,6 +86,8 @@ class Sandbox:
     jailed (workers/sandbox/jail.py) unless FARM_SANDBOX says otherwise. `network=True` is for a
     gang's children, whose collectives need the host's network."""
 
+    zygote_module = "workers.sandbox.zygote"
+
     def __init__(self, network: bool = False) -> None:
         self.network = network
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
@@ -234,10 +236,12 @@ class Sandbox:
         self._env = {k: v for k, v in env.items() if k != "HOME"}
         if device != "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU work never touches (or breaks) the GPU
+        else:  # torch's CUDA checks (FakeTensorMode's, on every lowering) ask NVML, which a fork survives:
+            env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # the CUDA runtime's answer poisons the zygote's children
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # -P: `-m` would put its cwd (this HOME, which children may write) first on the import path
         # that every later child inherits, so one job's child could plant a module for the next's
-        argv = [sys.executable, "-P", "-m", "workers.sandbox.zygote", str(theirs.fileno()), device]
+        argv = [sys.executable, "-P", "-m", self.zygote_module, str(theirs.fileno()), device]
         self._zygote_log = self.root() / f"zygote-{self.starts}.log"
         with open(self._zygote_log, "wb") as startup:
             how = dict(stdin=subprocess.DEVNULL, stdout=startup, stderr=startup, pass_fds=(theirs.fileno(),),

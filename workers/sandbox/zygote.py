@@ -67,7 +67,29 @@ def _child(request: dict, fds: list[int], device: str, warmed_s: float) -> None:
     child._die_with_parent()  # the zygote
     limits = UnitLimits(**request["limits"])
     child._apply_limits(limits, device)
+    if device == "cuda" and _cuda_fork_poisoned():
+        _start_fresh(fds[1], request["limits"], device)
     child.serve(fds[1], limits, device, warmed_s)
+
+
+def _cuda_fork_poisoned() -> bool:
+    """Did this zygote initialize CUDA before forking us? A forked child cannot use CUDA then
+    ("Cannot re-initialize CUDA in forked subprocess"). The sandbox has the zygote's checks ask
+    NVML (process.Sandbox._start_zygote), but a torch version or a host where NVML fails could
+    still reach the CUDA runtime."""
+    import torch
+
+    return torch.cuda._is_in_bad_fork()
+
+
+def _start_fresh(reply_fd: int, limits: dict, device: str) -> None:
+    """This job's child becomes a fresh Python (workers.sandbox.child), which imports torch again
+    and may use CUDA: slower to start, never a failed unit. Its limits, session and pipes stay."""
+    print("sandbox child: the zygote had initialized CUDA, which a forked process cannot use; "
+          "this child starts a fresh Python", file=sys.stderr, flush=True)
+    os.set_inheritable(reply_fd, True)
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "workers.sandbox.child", str(reply_fd), device,
+                              json.dumps(limits)])
 
 
 def _warm_lowering() -> None:
