@@ -16,8 +16,11 @@
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
-# The host's own torch is used (pip is not needed); pure-Python dependencies it lacks must be on
-# PYTHONPATH. The zoo is built with the system g++; if $CXX names another compiler (the lent H100
+# OUTDIR gets the summary (stdout, also summary.txt) and every log in one logs.tgz (a lent machine
+# sends back 8 files at most), also when GPU_ZOO_LIMIT_S (default 560) runs out first: then what
+# had not ended is stopped, and said so. The host's own torch is used (pip is not needed);
+# dependencies it lacks must be on PYTHONPATH: bench/gpu_wheels.sh fetches them as wheels, and
+# says how to install them there. The zoo is built with the system g++; if $CXX names another compiler (the lent H100
 # machine sets CXX=/opt/gcc/bin/g++), mlp is also built with that one, beside the zoo: the farm
 # refuses it if its libstdc++ is newer than the one Python runs with (such packages crash at load).
 set -uo pipefail
@@ -28,7 +31,18 @@ py=${PYTHON:-python3}
 work=$(mktemp -d /tmp/farm-gpu-XXXX)
 store=$work/store
 mkdir -p "$out"
-trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a run stopped early leaves no tests running behind it
+final=$(cd "$out" && pwd)
+out=$work/logs
+mkdir -p "$out"
+exec > >(tee "$final/summary.txt") 2>&1
+finish() {  # a run stopped early leaves nothing running behind it, and its logs still come back
+  kill $(jobs -p) 2>/dev/null
+  tar czf "$final/logs.tgz" -C "$work" logs
+  rm -rf "$work"
+}
+trap finish EXIT
+trap 'echo "== stopped after ${GPU_ZOO_LIMIT_S:-560} s (GPU_ZOO_LIMIT_S): what was running did not end"; exit 124' USR1
+(sleep "${GPU_ZOO_LIMIT_S:-560}" && kill -USR1 $$ && pkill -TERM -P $$) 2>/dev/null &  # (a foreground step delays the trap)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton  # cold: fresh caches
 
@@ -92,4 +106,3 @@ done
 
 wait $tests
 grep -v "^DEBUG" "$out/pytest.log" | tail -15
-rm -rf "$work"
