@@ -83,9 +83,10 @@ class Cluster(Protocol):
     """The calls the pool makes of its cluster (scheduler/ray_pool.py: Ray's; tests: a fake).
     Futures are opaque; `get` raises one of DIED when the actor behind it is gone."""
 
-    # `beside`: with no CPU or class resource of its own, on a node that offers the class (a burst worker)
+    # `beside`: with no CPU or class resource of its own, on a node that offers the class (a burst worker);
+    # `lowers`: its units will lower, so its sandbox warms the lowering as it starts (workers/sandbox/process.py)
     def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str,
-              beside: bool = False) -> Any: ...
+              beside: bool = False, lowers: bool = False) -> Any: ...
     def ready(self, actor: Any) -> Any: ...  # a future that resolves once the actor has started
     # a future of the unit's UnitResult; `niceness`: its sandbox child's (a farm service's job's class)
     def submit(self, actor: Any, unit: Unit, job: str | None = None, niceness: int = 0) -> Any: ...

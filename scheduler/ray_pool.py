@@ -55,7 +55,7 @@ class RayCluster:
             self._connect()
 
     def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str,
-              beside: bool = False) -> Any:
+              beside: bool = False, lowers: bool = False) -> Any:
         self.up()
         if beside:  # a burst worker (scheduler/shared_pool.py): Ray accounts none of the node's CPUs to it
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and
@@ -63,9 +63,9 @@ class RayCluster:
             if not nodes:
                 raise RuntimeError(f"no node offers {placement.resources}")
             return _RemoteWorker.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=(
-                NodeAffinitySchedulingStrategy(nodes[0], soft=False))).remote(store_uri, limits, device)
+                NodeAffinitySchedulingStrategy(nodes[0], soft=False))).remote(store_uri, limits, device, lowers)
         return _RemoteWorker.options(name=name, namespace=NAMESPACE, num_cpus=placement.cpus, num_gpus=placement.gpus,
-                                     resources=placement.resources).remote(store_uri, limits, device)
+                                     resources=placement.resources).remote(store_uri, limits, device, lowers)
 
     def ready(self, actor: Any) -> Any:
         return actor.pid.remote()

@@ -275,10 +275,11 @@ class SharedPool(BurstWorkers):
         offered = int(self._offered.get("CPU", 1))
         return max(0, min(self.config.max_workers or offered, offered) - self._held)
 
-    def _start(self, slot: _Slot, resource: str) -> None:
+    def _start(self, slot: _Slot, resource: str, lowers: bool = False) -> None:
         placement, device, limits = self._placements[resource]
         slot.resource, slot.generation = resource, slot.generation + 1
-        slot.actor = self.cluster.start(slot.name, placement, self.store_uri, limits, device, beside=slot.burst)
+        slot.actor = self.cluster.start(slot.name, placement, self.store_uri, limits, device, beside=slot.burst,
+                                        lowers=lowers)
         slot.ready = self.cluster.ready(slot.actor)
         slot.unit = slot.future = slot.job = None
         slot.rested, slot.leaving, slot.idle_since = True, False, time.monotonic()
@@ -363,11 +364,14 @@ class SharedPool(BurstWorkers):
                     self._retire(slot)
                 continue
             self._dispatch(slot, p, now)
-        while len([s for s in self.slots if not s.leaving and not s.burst]) < capacity and \
-                (resource := self._starved() or self._owed()) is not None:
+        while len([s for s in self.slots if not s.leaving and not s.burst]) < capacity:
+            back = (resource := self._starved()) is None
+            if back and (resource := self._owed()) is None:
+                break
             slot = _Slot(resource, self._next_index)
             self._next_index += 1
-            self._start(slot, resource)
+            # back after a gang: it lowered before it left, and its sandbox warms the lowering as it starts
+            self._start(slot, resource, lowers=back)
             self.slots.append(slot)
         self._burst(now)  # after the pool grew: a class still starting workers is not busy
 

@@ -37,11 +37,13 @@ class FakeCluster:
         self.node_offers: list[dict] = []  # per node; [offers] when empty
         self.placed: list[dict] = []  # each started worker's custom resources
         self.names: list[str] = []  # each started worker's name, " (beside)" for a burst worker
+        self.lowers: list[bool] = []  # whether each started worker's sandbox warms the lowering as it starts
         self._ids = itertools.count()
 
-    def start(self, name, placement, store_uri, limits, device, beside=False):
+    def start(self, name, placement, store_uri, limits, device, beside=False, lowers=False):
         self.started += 1
         self.names.append(name + (" (beside)" if beside else ""))
+        self.lowers.append(lowers)
         self.placed.append(placement.resources)
         return {"id": next(self._ids), "name": name, "dies": self.starts(self.started) != "ok"}
 

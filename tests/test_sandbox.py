@@ -268,6 +268,18 @@ def test_a_cuda_child_whose_zygote_initialized_cuda_starts_a_fresh_python(zoo_di
         assert len(started) == 2 and all("starts a fresh Python" in text for text in started), started
 
 
+def test_a_sandbox_that_will_lower_has_its_zygote_warm_the_lowering_before_its_first_child(zoo_dir):
+    """A service's worker back after a gang lowered before it left: its first child is already
+    forked with the lowering warm (scheduler/shared_pool.py starts it with lowers=True)."""
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox(lowers=True) as sandbox, sandbox.workdir() as workdir:
+        sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        assert "warmed the lowering" in sandbox._zygote_log.read_text()
+
+
 def test_once_a_child_has_lowered_its_zygote_warms_the_lowering_for_the_next_jobs(zoo_dir, tmp_path):
     """A worker's next jobs fork their children from a zygote that has done what a first lowering
     does beyond the imports; a zygote whose children never lowered (a worker that only met hits)

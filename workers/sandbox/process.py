@@ -84,12 +84,15 @@ class SandboxCost:
 class Sandbox:
     """A warm child process that runs steps (workers/sandbox/steps.py) for one unit at a time,
     jailed (workers/sandbox/jail.py) unless FARM_SANDBOX says otherwise. `network=True` is for a
-    gang's children, whose collectives need the host's network."""
+    gang's children, whose collectives need the host's network. `lowers=True`: its children will
+    lower (a service's worker back after a gang lent its CPU), so its zygote warms the lowering
+    before its first child, not only once a child has lowered."""
 
     zygote_module = "workers.sandbox.zygote"
 
-    def __init__(self, network: bool = False) -> None:
+    def __init__(self, network: bool = False, lowers: bool = False) -> None:
         self.network = network
+        self._lowers = lowers
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
         self._proc: subprocess.Popen | None = None  # the zygote (in a jail: bubblewrap)
         self._zygote_host_pid: int | None = None  # the zygote's own pid on the host, once looked up
@@ -98,7 +101,7 @@ class Sandbox:
         self._requests: BinaryIO | None = None  # the current child's stdin
         self._replies: int | None = None  # and its reply pipe
         self._exits: list[int | None] = []  # the exit code of each child asked for, in order, once the zygote said
-        self._lowered = False  # a child of this zygote lowered: it warms the lowering for its next (zygote.py)
+        self._lowered = lowers  # a child of this zygote lowered: it warms the lowering for its next (zygote.py)
         self._started_for: tuple[UnitLimits, str] | None = None  # the limits and device of the running child
         self._env: dict[str, str] = {}  # the environment it inherited
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
@@ -254,7 +257,7 @@ class Sandbox:
             else:
                 self._proc = subprocess.Popen(argv, cwd=home, env=env, close_fds=True, **how)
         theirs.close()
-        self._zygote, self._exits, self._lowered = (ours, device, file_gb), [], False
+        self._zygote, self._exits, self._lowered = (ours, device, file_gb), [], self._lowers
 
     def _zygote_pid(self) -> int | None:
         """The zygote's host pid, looked up in /proc once per zygote (a job switch asks thrice)."""
