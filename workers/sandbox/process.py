@@ -88,7 +88,7 @@ class Sandbox:
     lower (a service's worker back after a gang lent its CPU), so its zygote warms the lowering
     before its first child, not only once a child has lowered."""
 
-    zygote_module = "workers.sandbox.zygote"
+    zygote_module = "workers.sandbox.zygote"  # a test's own stands in for it (tests/poisoned_zygote.py)
 
     def __init__(self, network: bool = False, lowers: bool = False) -> None:
         self.network = network

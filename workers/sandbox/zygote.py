@@ -22,6 +22,10 @@ ended it) before it takes the next request. It exits when the worker closes the 
 with the worker. A record with "warm_lowering" (a child of this zygote has lowered) has it first
 do, once, what a process's first lowering does beyond the imports (steps.warm_up_lowering), so
 that its later children lower their first unit as fast as their next.
+
+A CUDA zygote must not initialize CUDA, or no child forked from it can use it: its environment
+has torch ask NVML instead (process.Sandbox._start_zygote), and a child that finds CUDA unusable
+anyway starts a fresh Python in its place (_start_fresh).
 """
 from __future__ import annotations
 
