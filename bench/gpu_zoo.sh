@@ -11,7 +11,7 @@
 # On 2026-11-27 every sandboxed CUDA unit failed ('Cannot re-initialize CUDA in forked
 # subprocess': the zygote had asked the CUDA runtime) and the whole run took 436 s; fixed, the
 # zoo took 145 s (4 compiled, 2.0-3.6x eager), and the tests did not finish in the device time left.
-# tests/jit_step.py's line says how much of a process is its imports, use_farm_cache and the step
+# tests/jit_step.py's line says how much of a process is its imports, use_farm_cache (probes, host ISAs) and the step
 # (that day a reader's process took 89 s and a writer's 101 s against 33 s cold; its step 1.4 s).
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host

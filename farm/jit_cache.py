@@ -33,15 +33,17 @@ kernels travel with FARM.PUT). Ranks compiling once, and the explanation of a mi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from farm.jit_kernels import install_kernels, read_files, record_loaded_kernels
 from farm.jit_keys import explain_miss, fx_id, record_key_parts
@@ -66,6 +68,7 @@ class FarmCache:
     source: str
     writes: bool
     counts: dict[str, int] = field(default_factory=dict)
+    setup_s: dict[str, float] = field(default_factory=dict)  # use_farm_cache's own steps, timed (bench/gpu_zoo.sh)
     _loaded: dict[str, str] = field(default_factory=dict)  # kernels this process loaded: name → path
     _undo: list = field(default_factory=list)
     _build_problem_said: bool = False
@@ -151,11 +154,13 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)
-    _install_probes(cache, backend)
+    with _timed(cache, "probes"):
+        _install_probes(cache, backend)
     if isa is None:  # (pinned, Inductor sees the one ISA: cpu_isa._one_vec_isa asks the host's record too)
         from workers.backends.cpu_isa import vec_isas_from_host_record
 
-        _hold(cache, vec_isas_from_host_record())
+        with _timed(cache, "host_isas"):  # the host's record, or Inductor's probes loaded one by one
+            _hold(cache, vec_isas_from_host_record())
 
     backend_cls = _backend_class()
 
@@ -453,6 +458,15 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
             source.put(cache._probes_key, json.dumps(sorted(built)).encode(), built, {})
     finally:
         cache.release(cache._probes_key)
+
+
+@contextlib.contextmanager
+def _timed(cache: FarmCache, step: str) -> Iterator[None]:
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        cache.setup_s[step] = round(time.perf_counter() - began, 2)
 
 
 def _hold(cache: FarmCache, manager: Any) -> None:
