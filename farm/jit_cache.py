@@ -148,19 +148,24 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
 
     cache.trust = Trust.from_env()
     from workers.backends import kernels
+    from workers.backends.cpu_isa import ISAS, vec_isas_when_asked
 
     record_loaded_kernels(cache)
     _hold(cache, kernels.skipping_unneeded_headers())  # a hit builds nothing, not even the header
     record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)
-    with _timed(cache, "probes"):
-        _install_probes(cache, backend)
-    if isa is None:  # (pinned, Inductor sees the one ISA: cpu_isa._one_vec_isa asks the host's record too)
-        from workers.backends.cpu_isa import vec_isas_from_host_record
+    cache._probes_key = _probes_key()  # named now: within a compile, Inductor's settings differ
 
-        with _timed(cache, "host_isas"):  # the host's record, or Inductor's probes loaded one by one
-            _hold(cache, vec_isas_from_host_record())
+    @contextlib.contextmanager
+    def first_asked() -> Iterator[None]:
+        with _timed(cache, "vec_isas"):  # the host's record, or Inductor's probes loaded one by one
+            with _timed(cache, "probes"):
+                _install_probes(cache, backend)
+            yield
+
+    # Inductor's vector ISAs (pinned: the one), only once Inductor asks: a step on a GPU never does
+    _hold(cache, vec_isas_when_asked(ISAS[isa].vec_isa if isa else None, first_asked))
 
     backend_cls = _backend_class()
 
@@ -429,7 +434,7 @@ def _install_probes(cache: FarmCache, source: _Source) -> None:
     built here under a lease (other ranks starting at once wait and take them) and published."""
     from workers.backends import kernels
 
-    cache._probes_key = key = _probes_key()
+    key = cache._probes_key
     found = _checked(cache, source, key)
     if found is None and cache.leases is not None:
         found = _compile_once(cache, source, key)
@@ -476,13 +481,13 @@ def _hold(cache: FarmCache, manager: Any) -> None:
 
 
 def _pin_isa(cache: FarmCache, isa: str) -> None:
+    """Inductor's settings for `isa` (the vector ISA it sees is set with the host's: use_farm_cache)."""
     from torch._inductor import config as inductor_config
 
-    from workers.backends.cpu_isa import ISAS, only_vec_isa
+    from workers.backends.cpu_isa import ISAS
 
     if isa not in ISAS:
         raise ValueError(f"use_farm_cache: unknown isa {isa!r}; choose one of {', '.join(ISAS)}")
-    _hold(cache, only_vec_isa(ISAS[isa].vec_isa))
     for name, value in ISAS[isa].inductor_configs.items():
         section, _, attr = name.rpartition(".")
         owner = getattr(inductor_config, section) if section else inductor_config

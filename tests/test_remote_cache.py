@@ -389,26 +389,32 @@ def test_an_entry_whose_value_is_gone_is_a_miss_not_an_error(tmp_path):
     assert entries.get(key) is None and entries.stats()["fx-graph-v1"]["refused"] == 1
 
 
-# Which vector ISA Inductor would use in a process with use_farm_cache (no `isa=`): argv store.
+# Which vector ISA Inductor would use in a process with use_farm_cache (no `isa=`): argv store;
+# and whether use_farm_cache worked out the ISAs before Inductor asked.
 PICKED_ISA = """
 import json, sys
 from torch._inductor import cpu_vec_isa
 from farm.client import use_farm_cache
-use_farm_cache(store=sys.argv[1], write=False)
-print(json.dumps(str(cpu_vec_isa.pick_vec_isa())))
+farm = use_farm_cache(store=sys.argv[1], write=False)
+early = "vec_isas" in farm.setup_s
+print(json.dumps([str(cpu_vec_isa.pick_vec_isa()), early, "vec_isas" in farm.setup_s]))
 """
 
 
 def test_use_farm_cache_takes_inductors_isas_from_the_hosts_record_without_checking_them_again(tmp_path):
     """Inductor checks each vector ISA by loading a probe in a fresh Python, in every process (about
-    a second): use_farm_cache asks once per host (its record in the Inductor cache dir) instead."""
+    a second): use_farm_cache asks once per host (its record in the Inductor cache dir) instead,
+    and only once Inductor asks: a process whose steps all run on a GPU never does, and never
+    builds or loads a probe."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
 
     def picked() -> str:
         out = subprocess.run([sys.executable, "-c", PICKED_ISA, str(tmp_path / "store")], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        isa, early, asked = json.loads(out.stdout.strip().splitlines()[-1])
+        assert not early and asked, "use_farm_cache worked out the vector ISAs before Inductor asked"
+        return isa
 
     first = picked()  # Inductor's own answer, now the host's record
     if first == "INVALID_VEC_ISA":

@@ -10,8 +10,9 @@ import contextlib
 import functools
 import importlib.metadata
 import sys
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from workers.backends import cxx
 from workers.backends.base import LoweringError, Placement
@@ -122,8 +123,55 @@ def vec_isas_from_host_record() -> contextlib.AbstractContextManager[None]:
     per host: workers/backends/inductor_host.py) instead of its own check, which loads a probe
     per ISA in a fresh Python in every process: 0.9 CPU-s and 1 s here, a third of a process
     that hits every graph."""
+    return _inductor_sees(_host_vec_isa_list())
+
+
+def _host_vec_isa_list() -> list[Any]:
     names = host_vec_isas()
-    return _inductor_sees([i for i in _cpu_vec_isa().supported_vec_isa_list if str(i) in names])  # Inductor's order
+    return [i for i in _cpu_vec_isa().supported_vec_isa_list if str(i) in names]  # Inductor's order
+
+
+def vec_isas_when_asked(vec_isa: str | None, within: Callable[[], contextlib.AbstractContextManager[None]],
+                        ) -> contextlib.AbstractContextManager[None]:
+    """As vec_isas_from_host_record (vec_isa None) or only_vec_isa(vec_isa), for a process that
+    may never compile for a CPU (use_farm_cache in a training script on a GPU): worked out only
+    once Inductor first asks, inside `within()` (use_farm_cache installs the probes the farm has
+    as it enters). A process whose graphs all run on a GPU never builds or loads a probe."""
+    def answer() -> list[Any]:
+        with within():
+            if vec_isa is None:
+                return _host_vec_isa_list()
+            return _one_vec_isa(vec_isa) if vec_isa else []
+
+    return _inductor_asks(answer)
+
+
+@contextlib.contextmanager
+def _inductor_asks(answer: Callable[[], list[Any]]) -> Iterator[None]:
+    """Inductor's list of this host's vector ISAs is answer()'s inside, asked once, as Inductor
+    first wants it. Threads that ask meanwhile wait for it; answer() itself asking (the host's
+    record is Inductor's own check, kept) gets Inductor's own list."""
+    cpu_vec_isa = _cpu_vec_isa()
+    original = cpu_vec_isa.valid_vec_isa_list
+    lock, known, answering = threading.RLock(), [], []
+
+    def asked() -> list[Any]:
+        with lock:
+            if answering:  # answer() asking, on this thread (the lock is ours)
+                return original()
+            if not known:
+                answering.append(True)
+                try:
+                    known.append(answer())
+                finally:
+                    answering.clear()
+            return known[0]
+
+    cpu_vec_isa.valid_vec_isa_list = asked  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
 
 
 def cpu_fingerprint() -> dict[str, Any]:

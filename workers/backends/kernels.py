@@ -275,14 +275,18 @@ def skipping_unneeded_headers() -> contextlib.AbstractContextManager[None]:
 def _built(cache: Path) -> set[Path]:
     from torch._inductor import codecache
 
-    return {p for p in cache.glob("*/*.so") if p not in _installed} | set(Path(codecache._HEADER_DIR).glob("*.gch"))
+    from storage.remote_cache import PROBE_PATH
+
+    return {p for p in cache.glob("*/*.so") if p not in _installed and not PROBE_PATH.fullmatch(
+        p.relative_to(cache).as_posix())} | set(Path(codecache._HEADER_DIR).glob("*.gch"))
 
 
 @contextlib.contextmanager
 def counting_builds() -> Iterator[list[str]]:
     """The kernel binaries and precompiled headers Inductor builds in the block, filled in when it
     ends. Counted on disk: Inductor may build in a pool of subprocesses, out of reach of anything
-    patched here. Kernels `install` put in place are not builds."""
+    patched here. Kernels `install` put in place are not builds, nor are Inductor's ISA probes
+    (use_farm_cache works out the ISAs as Inductor first asks, within a compile)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     root = Path(cache_dir())
