@@ -100,17 +100,10 @@ def host_runs(vec_isa: str) -> bool:
     return bool(_one_vec_isa(vec_isa)) if record is None else vec_isa in record["vec_isas"]
 
 
-@contextlib.contextmanager
-def _inductor_sees(chosen: list[Any]) -> Iterator[None]:
+def _inductor_sees(chosen: list[Any]) -> contextlib.AbstractContextManager[None]:
     """Inductor's list of this host's vector ISAs is `chosen` inside (its own is checked and kept
     once per process, so it is replaced, not re-asked)."""
-    cpu_vec_isa = _cpu_vec_isa()
-    original = cpu_vec_isa.valid_vec_isa_list
-    cpu_vec_isa.valid_vec_isa_list = lambda: chosen  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        cpu_vec_isa.valid_vec_isa_list = original  # type: ignore[assignment]
+    return _inductor_asks(lambda: chosen)
 
 
 def only_vec_isa(name: str) -> contextlib.AbstractContextManager[None]:
