@@ -87,7 +87,7 @@ class Cluster(Protocol):
     # `lowers`: its units will lower, so its sandbox warms the lowering as it starts (workers/sandbox/process.py)
     def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str,
               beside: bool = False, lowers: bool = False) -> Any: ...
-    def ready(self, actor: Any) -> Any: ...  # a future that resolves once the actor has started
+    def ready(self, actor: Any) -> Any: ...  # a future that resolves once the actor and its sandbox child have started
     # a future of the unit's UnitResult; `niceness`: its sandbox child's (a farm service's job's class)
     def submit(self, actor: Any, unit: Unit, job: str | None = None, niceness: int = 0) -> Any: ...
     def wait(self, futures: list[Any], timeout: float) -> list[Any]: ...  # those of futures that are done

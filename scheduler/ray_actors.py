@@ -36,6 +36,16 @@ class CompileWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def warm(self) -> int:
+        """Returns once its sandbox child is up (torch imported) and the host's CPU is known: the
+        pool counts the worker as started from then, so a unit waits in the queue, where whichever
+        worker is free first takes it, and not inside a worker still importing torch. A child that
+        failed to start is left to the first unit, which fails saying why."""
+        self.host_facts.join()
+        with self._child:
+            self.sandbox.wait_started()
+        return os.getpid()
+
     def run(self, unit: Unit, job: str | None = None, niceness: int = 0) -> UnitResult:
         self.host_facts.join()
         with self._child:

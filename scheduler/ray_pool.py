@@ -68,7 +68,7 @@ class RayCluster:
                                      resources=placement.resources).remote(store_uri, limits, device, lowers)
 
     def ready(self, actor: Any) -> Any:
-        return actor.pid.remote()
+        return actor.warm.remote()
 
     def submit(self, actor: Any, unit: Unit, job: str | None = None, niceness: int = 0) -> Any:
         return actor.run.options(name=f"compile {unit.unit_id}").remote(unit, job, niceness)

@@ -268,6 +268,21 @@ def test_a_cuda_child_whose_zygote_initialized_cuda_starts_a_fresh_python(zoo_di
         assert len(started) == 2 and all("starts a fresh Python" in text for text in started), started
 
 
+def test_a_child_waited_for_as_its_worker_starts_serves_the_first_step_at_once(zoo_dir):
+    """A pool counts a worker as started once its child is up (CompileWorker.warm): its first unit
+    then waits for no torch import."""
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        sandbox.prestart(UnitLimits())
+        sandbox.wait_started()
+        assert sandbox.cost.start_s > 0
+        sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                     program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        assert sandbox.start_waited_s == 0 and sandbox.starts == 1
+
+
 def test_a_sandbox_that_will_lower_has_its_zygote_warm_the_lowering_before_its_first_child(zoo_dir):
     """A service's worker back after a gang lowered before it left: its first child is already
     forked with the lowering warm (scheduler/shared_pool.py starts it with lowers=True)."""

@@ -465,6 +465,13 @@ class Sandbox:
             except OSError as e:  # ran on, at the default priority
                 log.warning("sandbox child %d not reniced to %d: %s", pid, self.niceness, e)
 
+    def wait_started(self) -> None:
+        """Wait for the child `prestart` began (its zygote importing torch), as a worker starts; a
+        failed start is left for the next call, which starts another and says why if it fails too."""
+        if self._spawned is not None:
+            with contextlib.suppress(SandboxFailed):
+                self._wait_ready()
+
     def renew(self) -> None:
         """After a job: its child never serves another job. A fresh one starts now, with the same
         limits, so the next job finds it warm."""
