@@ -452,12 +452,12 @@ def _put_probes(cache: FarmCache, source: _Source) -> None:
     """The probes this process's Inductor built, once (a writer, after its first compile)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    from workers.backends.kernels import probes_in
+
     if cache._probes_put:
         return
     cache._probes_put = True
-    root = Path(cache_dir())
-    built = {p.relative_to(root).as_posix(): str(p) for p in root.glob("*/*.so") if PROBE_PATH.fullmatch(
-        p.relative_to(root).as_posix())}
+    built = {name: str(p) for name, p in probes_in(Path(cache_dir())).items()}
     try:
         if built:
             source.put(cache._probes_key, json.dumps(sorted(built)).encode(), built, {})

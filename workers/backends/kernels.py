@@ -272,13 +272,23 @@ def skipping_unneeded_headers() -> contextlib.AbstractContextManager[None]:
     return _header_skip.held()
 
 
+def _is_probe(cache: Path, path: Path) -> bool:
+    """One of Inductor's ISA probes, by its path under the cache dir (not a kernel's .main.so)."""
+    from storage.remote_cache import PROBE_PATH
+
+    return PROBE_PATH.fullmatch(path.relative_to(cache).as_posix()) is not None
+
+
+def probes_in(cache: Path) -> dict[str, Path]:
+    """Inductor's ISA probes in its cache dir, by their path under it."""
+    return {p.relative_to(cache).as_posix(): p for p in cache.glob("*/*.so") if _is_probe(cache, p)}
+
+
 def _built(cache: Path) -> set[Path]:
     from torch._inductor import codecache
 
-    from storage.remote_cache import PROBE_PATH
-
-    return {p for p in cache.glob("*/*.so") if p not in _installed and not PROBE_PATH.fullmatch(
-        p.relative_to(cache).as_posix())} | set(Path(codecache._HEADER_DIR).glob("*.gch"))
+    return ({p for p in cache.glob("*/*.so") if p not in _installed and not _is_probe(cache, p)}
+            | set(Path(codecache._HEADER_DIR).glob("*.gch")))
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from typing import Any, BinaryIO, Iterator
 
 from workers.sandbox import jail, tempdirs
 from workers.sandbox.env import child_env, jailed_env
+from workers.sandbox.policing import exit_reason, renice
 from workers.unit import UnitLimits
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ log = logging.getLogger(__name__)
 MAX_REPLY = 64 << 20
 STARTUP_S = 300.0  # a child that has not imported torch by then is broken
 HEADER = struct.Struct("!Q")
-SIGNALS = {signal.SIGXCPU: "the CPU time limit", signal.SIGXFSZ: "the file size limit",
-           signal.SIGKILL: "SIGKILL (killed: out of memory, or by an operator)"}
 
 
 class SandboxFailed(Exception):
@@ -388,18 +387,7 @@ class Sandbox:
                 return "the sandbox stopped answering"
             if code > 128 and self.jailed:
                 code = 128 - code  # bubblewrap exits with 128 + the signal that ended its child
-        if code >= 0:
-            return f"the sandbox exited with status {code}"
-        sig = signal.Signals(-code)
-        what = SIGNALS.get(sig, f"{sig.name} ({signal.strsignal(sig) or 'signal'})")
-        if sig == signal.SIGKILL:
-            return f"the sandbox was killed by {what}; its memory limit is {limits.memory_gb:g} GiB"
-        if sig in (signal.SIGXCPU, signal.SIGXFSZ):
-            return f"the sandbox hit {what} ({limits.cpu_s:g} s CPU, {limits.file_gb:g} GiB per file)"
-        if sig == signal.SIGABRT:
-            return (f"the sandbox crashed with {what}; a native allocation failing under its "
-                    f"{limits.memory_gb:g} GiB memory limit also ends this way")
-        return f"the sandbox crashed with {what}"
+        return exit_reason(code, limits)
 
     def _kill(self) -> None:
         """Stop the child and its zygote (in a jail, bubblewrap's whole PID namespace goes with it)."""
@@ -448,22 +436,10 @@ class Sandbox:
         self.niceness = max(self.niceness, niceness)
 
     def _renice(self) -> None:
-        """Every thread of the child and of what it started (g++, Inductor's compile workers) is in
-        its process group; PRIO_PGRP sets them all (PRIO_PROCESS would set one thread). The child
-        is also its own session, which Linux's autogroup scheduling (on by default,
-        /proc/sys/kernel/sched_autogroup_enabled) makes a group that shares the CPU with other
-        sessions by the group's niceness alone: a thread's own niceness weighs only against the
-        threads of its session. So the session's is set too, or a nightly's children would take
-        as much CPU as an interactive job's, each in a session of its own."""
+        """The child at the niceness `yield_cpu` set (workers/sandbox/policing.py says how)."""
         pid = self.pid
         if self.niceness and pid:
-            try:
-                os.setpriority(os.PRIO_PGRP, os.getpgid(pid), self.niceness)
-                autogroup = Path(f"/proc/{pid}/autogroup")
-                if autogroup.exists():
-                    autogroup.write_text(str(self.niceness))
-            except OSError as e:  # ran on, at the default priority
-                log.warning("sandbox child %d not reniced to %d: %s", pid, self.niceness, e)
+            renice(pid, self.niceness)
 
     def wait_started(self) -> None:
         """Wait for the child `prestart` began (its zygote importing torch), as a worker starts; a
