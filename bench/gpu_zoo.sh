@@ -13,6 +13,10 @@
 # zoo took 145 s (4 compiled, 2.0-3.6x eager), and the tests did not finish in the device time left.
 # tests/jit_step.py's line says how much of a process is its imports, use_farm_cache (probes, host ISAs) and the step
 # (that day a reader's process took 89 s and a writer's 101 s against 33 s cold; its step 1.4 s).
+# Later on 2026-11-27 (one call, 486 s): zoo 168 s (4 compiled, 2.2-3.0x), autotune 89 s, the 5 GPU tests
+# passed (335 s); use_farm_cache's writer still built Inductor's ISA probes for its GPU step (55 s of
+# its 80 s), naming its CPU build command for every entry. Named only for an entry that holds CPU
+# kernels (a second call): cold 32.5 s, writer 26.2 s, reader 23.1 s.
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
@@ -73,6 +77,12 @@ if [[ -d $work/other-cxx ]]; then
   # what the farm's libstdc++ check saw (on 2026-11-26's H100 it let this compiler through, and the check crashed)
   echo "its libstdc++: $(readlink -f "$("$other_cxx" -print-file-name=libstdc++.so.6)")"
   CXX=$other_cxx "$py" -c "import torch; from workers.backends import cxx; print('loaded here:', next((l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l), None)); print('farm says:', cxx.libstdcxx_problem())"
+  # 2026-11-27: the same GCC (13.3.0) and the same libstdc++, libgomp and libgcc_s as /usr/bin/g++,
+  # and a plain aoti_compile_and_package with it still segfaults in aoti_load_package: what it adds
+  echo "what it is: $(file -b "$(readlink -f "$other_cxx")" 2>&1 | cut -c1-80)"
+  file -b "$(readlink -f "$other_cxx")" 2>/dev/null | grep -q text && head -8 "$other_cxx"  # a wrapper script: its flags
+  "$other_cxx" -v -x c++ -E /dev/null 2>&1 | grep -E "^COLLECT_GCC_OPTIONS|cc1plus" | head -2
+  diff <("$other_cxx" -dM -x c++ -E /dev/null | sort) <(/usr/bin/g++ -dM -x c++ -E /dev/null | sort) | head -20
 fi
 
 echo "== autotune job"

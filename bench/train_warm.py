@@ -80,7 +80,7 @@ def child(side: str, program: str, store: str, target: str) -> None:
 
 def _run_child(side: str, program: Path, store: Path, cache: Path, target: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # a GPU host's wheels too
     proc = subprocess.run([sys.executable, __file__, "--child", side, str(program), str(store), target], env=env,
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode:

@@ -405,7 +405,9 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
     files: dict[str, str] = {}
     facts: dict[str, Any] = {}
     if kind_of_key(key) == FX_KIND:
-        files, facts = dict(cache._loaded), {"build_command": cache.build_command()}
+        files = dict(cache._loaded)
+        if files:  # asking for it picks a vector ISA: probes that a graph with no CPU kernel never needs
+            facts = {"build_command": cache.build_command()}
         _put_probes(cache, source)
         if isinstance(source, _StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
             source.note_graph(key, parts)
@@ -449,15 +451,16 @@ def _install_probes(cache: FarmCache, source: _Source) -> None:
 
 
 def _put_probes(cache: FarmCache, source: _Source) -> None:
-    """The probes this process's Inductor built, once (a writer, after its first compile)."""
+    """The probes this process's Inductor built, once (a writer, after its first compile that
+    built any: a process whose graphs all run on a GPU may never)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from workers.backends.kernels import probes_in
 
     if cache._probes_put:
         return
-    cache._probes_put = True
     built = {name: str(p) for name, p in probes_in(Path(cache_dir())).items()}
+    cache._probes_put = bool(built)
     try:
         if built:
             source.put(cache._probes_key, json.dumps(sorted(built)).encode(), built, {})

@@ -26,6 +26,7 @@ from storage.cache_tokens import TokensError, read_tokens
 from storage.remote_cache import CacheEntries, index_path
 from storage.resp import Limits, ProtocolError, read_request
 from tests.cli import farm
+from workers.backends.kernels import probes_in
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER, READER = "w" * 24, "r" * 24
@@ -423,3 +424,36 @@ def test_use_farm_cache_takes_inductors_isas_from_the_hosts_record_without_check
     assert first in json.loads(record.read_text())["vec_isas"]
     record.write_text(json.dumps({**json.loads(record.read_text()), "vec_isas": []}))  # a host that runs none
     assert picked() == "INVALID_VEC_ISA"  # the record's answer, not a check of Inductor's own
+
+
+# A graph with no CPU kernel of Inductor's own (one extern matmul: what a GPU step's graphs hold for
+# the CPU) through use_farm_cache: argv store, write; prints the product, its steps and counts.
+NO_CPU_KERNEL = """
+import json, sys, torch
+from farm.client import use_farm_cache
+farm = use_farm_cache(store=sys.argv[1], write=sys.argv[2] == "1")
+torch.manual_seed(0)
+out = torch.compile(lambda a, b: a @ b)(torch.randn(8, 8), torch.randn(8, 8))
+print(json.dumps([out.sum().item(), farm.setup_s, farm.stats()]))
+"""
+
+
+def test_a_process_whose_graphs_hold_no_cpu_kernel_writes_and_reads_them_without_isa_probes(tmp_path):
+    """Inductor's ISA probes (a g++ build of the vector headers each: 55 s of a writer's 80 s on a
+    lent H100, where the same step without the farm built none) are the farm's business only
+    where a graph has CPU kernels: the writer of one without any neither builds nor publishes
+    them, and a reader hits it without any."""
+    def run(write: str) -> tuple[float, dict, dict, list[str]]:
+        inductor = tmp_path / f"inductor-{write}"
+        out = subprocess.run([sys.executable, "-c", NO_CPU_KERNEL, str(tmp_path / "store"), write], cwd=ROOT,
+                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor)},
+                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stderr[-3000:]
+        value, steps, stats = json.loads(out.stdout.strip().splitlines()[-1])
+        return value, steps, stats, sorted(probes_in(inductor))
+
+    written, steps, stats, built = run("1")
+    assert stats.get("writes", 0) >= 1 and "vec_isas" not in steps and built == []
+    read, steps, stats, built = run("0")
+    assert read == written and stats.get("hits", 0) >= 1 and not stats.get("misses")
+    assert "vec_isas" not in steps and built == []
