@@ -52,6 +52,32 @@ def test_a_gang_rank_lowers_its_priority_before_it_imports_torch(tmp_path):
     assert out.stdout.split() == ["False"]
 
 
+WAITING = """
+import os, threading
+from pathlib import Path
+from scheduler.gang_actor import _wait_in_a_session_of_its_own
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # an actor has threads before its first line
+sid = os.getsid(0)
+_wait_in_a_session_of_its_own()
+tasks = Path("/proc/self/task").iterdir()
+nice = {int(t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks}
+autogroup = Path("/proc/self/autogroup")
+print(os.getsid(0) != sid, os.getsid(0) == os.getpgid(0) == os.getpid(), sorted(nice),
+      autogroup.read_text().split()[-1] if autogroup.exists() else "19")
+"""
+
+
+def test_a_waiting_rank_yields_the_cpu_in_a_session_of_its_own(tmp_path):
+    """Rank 0 compiles in a sandbox child, a session of its own; Linux shares the CPU between
+    sessions by each session's niceness, so a waiting rank at nice 19 in the Ray processes' session
+    would still take a session's share. Started as Ray starts an actor (a process group leader),
+    it ends in a session of its own, every thread and the session at nice 19."""
+    out = subprocess.run([sys.executable, "-c", WAITING], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                         cwd=tmp_path, capture_output=True, text=True, process_group=0, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "[19]", "19"]
+
+
 ASK_AGAIN = """
 import sys
 from workers import host_check
