@@ -26,10 +26,10 @@ class GangRank:
     hosts the store the gang's process group forms through."""
 
     def __init__(self, store_uri: str, target: Target, limits: UnitLimits, device: str, rank: int, reads: bool,
-                 identical_ranks: bool):
+                 identical_ranks: bool, sandbox: Sandbox | None = None):
         self.store = store_from_uri(store_uri, CacheConfig.from_env())
         self.host, self.device, self.reads = ray.util.get_node_ip_address(), device, reads
-        self.sandbox = Sandbox(network=True)  # its children verify through the gang's collectives
+        self.sandbox = sandbox or Sandbox(network=True)  # its children verify through the gang's collectives
         self.begin(store_uri, target, limits, rank, identical_ranks)
 
     def begin(self, store_uri: str, target: Target, limits: UnitLimits, rank: int, identical_ranks: bool) -> None:
