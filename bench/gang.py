@@ -2,16 +2,16 @@
 time a divergent gang takes to fail.
 
 Both sides go through the farm on an embedded Ray (its start not counted: a farm's cluster is
-already up), each in a fresh process with a fresh store and a fresh Inductor cache (the
-precompiled header in /tmp is shared), and each pays for its actors' start: one worker for the
-single compile; four rank actors, their process group, the compiler collectives, one compile and
-three lookups for the gang. Rank 0 of the gang compiles while the other three ranks start
+already up), each in a fresh process with a fresh store and a fresh Inductor cache (where a
+jailed sandbox keeps Inductor's precompiled headers: each side builds them), and each pays for
+its actors' start: one worker for the single compile; four rank actors, their process group,
+the compiler collectives, one compile and three lookups for the gang. Rank 0 of the gang compiles while the other three ranks start
 (workers/gang/early.py); the bench checks that it did, and prints each side's lowering time,
 which the three ranks' start slows on 2 cores.
 
     .venv/bin/python bench/gang.py [--model mlp] [--ranks 4] [--pairs 3] [--service]
 
-A first compile, not counted, builds the precompiled header both sides then share. One pair
+A first compile, not counted, reads torch and the compiler from disk for both sides. One pair
 swings by a third on a shared 2-core machine, so it measures --pairs pairs, the sides taking
 turns to go first, and prints each pair's gang_time / single_time and their median (goal <=
 1.05); then how long a gang whose last rank issues an extra all-reduce takes to fail. With
@@ -90,7 +90,7 @@ def main() -> None:
     single_job = {"name": "single", "graphs": [str(graph)], "targets": target}
     gang_job = {"name": "gang", "targets": target, "gangs": [
         {"name": args.model, "ranks": str(root / "rank{rank}.pt2"), "world_size": args.ranks}]}
-    _run(single_job, root, "warm-up")  # not counted: builds the precompiled header in /tmp both sides share
+    _run(single_job, root, "warm-up")  # not counted: the machine's first torch import and g++ run
     pairs, lowering = [], []
     for i in range(args.pairs):
         sides = {}
