@@ -108,6 +108,37 @@ def test_a_compiler_newer_than_the_loaded_libstdcxx_is_refused(monkeypatch, tmp_
         cxx.libstdcxx_problem.cache_clear()
 
 
+def test_a_package_that_crashes_as_it_loads_names_the_compiler_cxx_chose(monkeypatch, tmp_path):
+    """On a lent H100, CXX=/opt/gcc/bin/g++ (the machine's default) built packages that crashed as
+    torch loaded them, with the same libstdc++ as the system's g++: a crash in the check says so."""
+    from workers.lookup import UnitFailed
+    from workers.pipeline import check_artifact
+
+    class Crashing:
+        def step(self, name, **kwargs):
+            raise UnitFailed(f"{name}: the sandbox crashed with SIGSEGV (Segmentation fault)", retryable=False)
+
+    def failure() -> str:
+        cxx.compiler.cache_clear()
+        with pytest.raises(UnitFailed) as failed:
+            check_artifact(Crashing(), tmp_path / "model.pt2", verify_it=True, bench_it=False)
+        return str(failed.value)
+
+    wrapper = tmp_path / "bin" / "g++"
+    wrapper.parent.mkdir()
+    wrapper.write_text('#!/bin/sh\nexec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    try:
+        monkeypatch.setenv("CXX", str(wrapper))
+        said = failure()
+        assert said.startswith("check: the sandbox crashed with SIGSEGV")
+        assert f"built with CXX={wrapper}" in said and f"CXX={shutil.which('g++')}" in said, said
+        monkeypatch.setenv("CXX", "g++")  # the system's: the crash is told as it was
+        assert failure() == "check: the sandbox crashed with SIGSEGV (Segmentation fault)"
+    finally:
+        cxx.compiler.cache_clear()
+
+
 @pytest.mark.skipif(not NO_CUDA, reason="checks a host without a GPU")
 def test_in_process_a_cuda_target_on_a_host_without_a_gpu_fails_with_the_reason(zoo_dir, tmp_path):
     job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cuda:sm_90", "aoti-cuda",

@@ -35,7 +35,7 @@ from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
 from workers import host_check
 from workers.autotune.share import SharedAutotune, autotunes, entries_from, fingerprint_of
-from workers.backends import Backend, LoweringError, jit_entries, resolve
+from workers.backends import Backend, LoweringError, cxx, jit_entries, resolve
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import jail
 from workers.sandbox.env import as_childrens_cache
@@ -301,7 +301,11 @@ def identify_program(ctx: UnitContext, expect: dict[str, str] | None = None) -> 
 
 def check_artifact(ctx: UnitContext, artifact: Path, verify_it: bool, bench_it: bool) -> Checked:
     """Verify and/or benchmark an artifact in the sandbox; a failed verification fails the unit."""
-    reply = ctx.step("check", artifact=str(artifact), verify_it=verify_it, bench_it=bench_it)
+    try:
+        reply = ctx.step("check", artifact=str(artifact), verify_it=verify_it, bench_it=bench_it)
+    except UnitFailed as e:  # a crash as it loads: say which compiler built it, where $CXX chose one
+        note = cxx.crash_note() if "the sandbox crashed" in str(e) else ""
+        raise UnitFailed(f"{e}{note}", e.retryable) from None
     metrics = reply.get("metrics") if isinstance(reply.get("metrics"), dict) else {}
     problems = [str(p)[:1000] for p in reply.get("problems") or []]
     if verify_it and problems:

@@ -6,7 +6,10 @@ H100 machine `CXX=/opt/gcc/bin/g++` (not the system compiler) built CUDA package
 wrapper died with SIGSEGV in `parse_device_str` (std::regex) as soon as `aoti_load_package`
 ran, in any plain process; the same packages built by the system g++ 13 (whose libstdc++,
 6.0.33, is the one Python runs with) loaded and ran. So a compiler whose libstdc++ is newer
-than the loaded one is refused before anything is built with it.
+than the loaded one is refused before anything is built with it. On 2026-11-27 that compiler
+linked the system's libstdc++ and its packages still crashed there, for a reason not yet known
+(bench/gpu_zoo.sh prints what it adds to the system's g++): a crash as a package loads now names
+the compiler $CXX chose and says to try without it (`crash_note`).
 """
 from __future__ import annotations
 
@@ -75,3 +78,18 @@ def libstdcxx_problem() -> str | None:
     return (f"the C++ compiler {path} links against {os.path.realpath(built)}, newer than the "
             f"{os.path.realpath(loaded)} this Python runs with: AOTInductor packages it builds crash when loaded. "
             f"Set CXX to a compiler of this system's libstdc++ (e.g. CXX=/usr/bin/g++)")
+
+
+def crash_note() -> str:
+    """What to add to a crash as a package loaded, where $CXX names a compiler other than the
+    system's g++: on the lent H100 (2026-11-27) CXX=/opt/gcc/bin/g++, the same GCC 13.3 with the
+    same libstdc++, libgomp and libgcc_s as /usr/bin/g++, still built CUDA packages that died with
+    SIGSEGV in aoti_load_package (a plain process too), and /usr/bin/g++'s loaded and ran."""
+    named = os.environ.get("CXX")
+    path, system = shutil.which(named or ""), shutil.which("g++")
+    if not named or not path or (system and os.path.realpath(path) == os.path.realpath(system)):
+        return ""
+    return (f"; it was built with CXX={named} ({compiler()['cxx_version']}), not the system's g++ ({system}), and "
+            f"packages built by such a compiler have crashed as torch loaded them: try the job with CXX unset "
+            f"or CXX={system or '/usr/bin/g++'}")
+
