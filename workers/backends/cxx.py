@@ -92,4 +92,3 @@ def crash_note() -> str:
     return (f"; it was built with CXX={named} ({compiler()['cxx_version']}), not the system's g++ ({system}), and "
             f"packages built by such a compiler have crashed as torch loaded them: try the job with CXX unset "
             f"or CXX={system or '/usr/bin/g++'}")
-
