@@ -42,12 +42,11 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
-from farm.jit_kernels import install_kernels, read_files, record_loaded_kernels
+from farm.jit_kernels import PROBES_KIND, install_kernels, probes_key, put_probes, read_files, record_loaded_kernels
 from farm.jit_keys import explain_miss, fx_id, record_key_parts
-from storage.remote_cache import AUTOGRAD_KIND, FX_KIND, PROBE_PATH, remote_key
+from storage.remote_cache import AUTOGRAD_KIND, FX_KIND, PROBE_PATH
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,6 @@ CACHES = ("RemoteFxGraphCache", "RemoteAOTAutogradCache", "RemoteAutotuneCache",
 # a training graph's lazy backward compile): their misses take leases. An autotune miss is looked up as a kernel first runs, after the
 # compile, and is put only if the kernel had configs to benchmark (on a GPU, a lease held for
 # the run kept other ranks waiting on a key that never came).
-PROBES_KIND = "farm-isa-probes-v1"  # Inductor's ISA probes, an entry per toolchain
 LEASED_KINDS = (FX_KIND, AUTOGRAD_KIND, PROBES_KIND)
 
 
@@ -155,7 +153,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     record_key_parts(cache)
     if isa is not None:
         _pin_isa(cache, isa)
-    cache._probes_key = _probes_key()  # named now: within a compile, Inductor's settings differ
+    cache._probes_key = probes_key()  # named now: within a compile, Inductor's settings differ
 
     @contextlib.contextmanager
     def first_asked() -> Iterator[None]:
@@ -406,9 +404,9 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
     facts: dict[str, Any] = {}
     if kind_of_key(key) == FX_KIND:
         files = dict(cache._loaded)
-        if files:  # asking for it picks a vector ISA: probes that a graph with no CPU kernel never needs
+        if files:  # naming it picks a vector ISA (Inductor's probes), which a graph with no CPU kernel never needs
             facts = {"build_command": cache.build_command()}
-        _put_probes(cache, source)
+            put_probes(cache, source)
         if isinstance(source, _StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
             source.note_graph(key, parts)
     try:
@@ -419,18 +417,7 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
 
 
 # Inductor's ISA probes: built before its first cache lookup (the key names the vector ISA), so a
-# reader installs them as use_farm_cache starts, from an entry of their own per toolchain.
-def _probes_key() -> bytes:
-    """The probes' entry: named by where this torch and compiler put the x86 probes (naming
-    them builds nothing), so a toolchain that builds other ones never takes these."""
-    from torch._inductor.cpu_vec_isa import supported_vec_isa_list
-
-    from workers.backends import kernels
-
-    names = sorted(Path(p).name for isa in supported_vec_isa_list if (p := kernels.isa_probe_path(str(isa))))
-    return remote_key(PROBES_KIND, hashlib.sha256("\n".join(names).encode()).hexdigest()).encode()
-
-
+# reader installs them from an entry of their own per toolchain as Inductor first asks for them.
 def _install_probes(cache: FarmCache, source: _Source) -> None:
     """The toolchain's probes from the farm; where none are there yet and this process writes,
     built here under a lease (other ranks starting at once wait and take them) and published."""
@@ -444,28 +431,10 @@ def _install_probes(cache: FarmCache, source: _Source) -> None:
             from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
             valid_vec_isa_list()
-            _put_probes(cache, source)
+            put_probes(cache, source)
     if found is not None:
         files = {n: d for n, d in found[1].items() if PROBE_PATH.fullmatch(n)}
         cache.count("probes_installed", kernels.install(files))
-
-
-def _put_probes(cache: FarmCache, source: _Source) -> None:
-    """The probes this process's Inductor built, once (a writer, after its first compile that
-    built any: a process whose graphs all run on a GPU may never)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    from workers.backends.kernels import probes_in
-
-    if cache._probes_put:
-        return
-    built = {name: str(p) for name, p in probes_in(Path(cache_dir())).items()}
-    cache._probes_put = bool(built)
-    try:
-        if built:
-            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), built, {})
-    finally:
-        cache.release(cache._probes_key)
 
 
 @contextlib.contextmanager

@@ -1,15 +1,20 @@
 """The compiled CPU kernels a `use_farm_cache` writer ships with its FX graph entries, and their
 install in a reader (farm/jit_cache.py): a hit then runs no g++ where the reader's build command
-is the writer's (workers/backends/kernels.py does the same for training bundles)."""
+is the writer's (workers/backends/kernels.py does the same for training bundles). Inductor's ISA
+probes, CPU binaries too, go in an entry of their own per toolchain (`probes_key`)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from storage.remote_cache import KERNEL_PATH
+from storage.remote_cache import KERNEL_PATH, remote_key
 
 log = logging.getLogger("farm.jit_cache")
+
+PROBES_KIND = "farm-isa-probes-v1"  # Inductor's ISA probes, an entry per toolchain
 
 
 
@@ -56,3 +61,33 @@ def read_files(paths: dict[str, str]) -> dict[str, bytes]:
         except OSError:
             continue  # removed meanwhile: the reader builds that one
     return files
+
+
+def probes_key() -> bytes:
+    """The probes' entry: named by where this torch and compiler put the x86 probes (naming
+    them builds nothing), so a toolchain that builds other ones never takes these."""
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list
+
+    from workers.backends import kernels
+
+    names = sorted(Path(p).name for isa in supported_vec_isa_list if (p := kernels.isa_probe_path(str(isa))))
+    return remote_key(PROBES_KIND, hashlib.sha256("\n".join(names).encode()).hexdigest()).encode()
+
+
+def put_probes(cache: Any, source: Any) -> None:
+    """The probes this process's Inductor built, once: as it builds them under the probes' lease,
+    or with its first entry that holds CPU kernels (Inductor had picked a vector ISA for them).
+    `source`: farm/jit_cache.py's, where entries go."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from workers.backends.kernels import probes_in
+
+    if cache._probes_put:
+        return
+    cache._probes_put = True
+    built = {name: str(p) for name, p in probes_in(Path(cache_dir())).items()}
+    try:
+        if built:
+            source.put(cache._probes_key, json.dumps(sorted(built)).encode(), built, {})
+    finally:
+        cache.release(cache._probes_key)

@@ -34,9 +34,9 @@ def exit_reason(code: int, limits: UnitLimits) -> str:
 def renice(pid: int, niceness: int) -> None:
     """Every thread of the child and of what it started (g++, Inductor's compile workers) is in
     its process group; PRIO_PGRP sets them all (PRIO_PROCESS would set one thread). The child
-    is also its own session, which Linux's autogroup scheduling (on by default,
-    /proc/sys/kernel/sched_autogroup_enabled) makes a group that shares the CPU with other
-    sessions by the group's niceness alone: a thread's own niceness weighs only against the
+    is also its own session (as is a gang's waiting rank: scheduler/gang_actor.py), which
+    Linux's autogroup scheduling (on by default, /proc/sys/kernel/sched_autogroup_enabled) makes
+    a group that shares the CPU with other sessions by the group's niceness alone: a thread's own niceness weighs only against the
     threads of its session. So the session's is set too, or a nightly's children would take
     as much CPU as an interactive job's, each in a session of its own."""
     try:
@@ -45,4 +45,4 @@ def renice(pid: int, niceness: int) -> None:
         if autogroup.exists():
             autogroup.write_text(str(niceness))
     except OSError as e:  # ran on, at the default priority
-        log.warning("sandbox child %d not reniced to %d: %s", pid, niceness, e)
+        log.warning("process %d not reniced to %d: %s", pid, niceness, e)
