@@ -38,14 +38,14 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from farm.jit_kernels import PROBES_KIND, install_kernels, probes_key, put_probes, read_files, record_loaded_kernels
+from farm.jit_kernels import PROBES_KIND, install_kernels, probes_key, put_probes, record_loaded_kernels
 from farm.jit_keys import explain_miss, fx_id, record_key_parts
+from farm.jit_sources import EndpointSource, Source, StoreSource
 from storage.remote_cache import AUTOGRAD_KIND, FX_KIND, PROBE_PATH
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
         from storage.leases import Leases, holder_here
 
         opened = open_store(store) if not hasattr(store, "backend") else store
-        backend: _Source = _StoreSource(opened)
+        backend: Source = StoreSource(opened)
         cache = FarmCache(opened.uri, writes=write is not False)
         if cache.writes:  # a reader never publishes: it must not hold others waiting
             cache.leases = Leases(opened.backend, holder_here(), ttl_s=LEASE_TTL_S)
@@ -140,8 +140,8 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
             atexit.register(cache.close)
             _release_when_compiles_end(cache)
     else:
-        backend = _EndpointSource(url)
-        cache = FarmCache(_without_token(url), writes=bool(write))
+        backend = EndpointSource(url, _without_token(url))
+        cache = FarmCache(backend.name, writes=bool(write))
     from storage.signing import Trust
 
     cache.trust = Trust.from_env()
@@ -184,83 +184,6 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     return cache
 
 
-# where entries come from ------------------------------------------------------------
-class _Source:
-    def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None: ...  # index doc, value, files
-    # files: name under Inductor's cache dir -> this process's path of it
-    def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None: ...
-
-    def graph(self, gm: str) -> tuple[str, str, dict[str, list[str]]] | None:
-        return None  # (key, writer, parts) of a graph published under another key: through store= only
-
-
-class _StoreSource(_Source):
-    def __init__(self, store: Any):
-        from storage.remote_cache import CacheEntries
-
-        self.entries = CacheEntries(store)
-        self.writer = f"use_farm_cache@{os.uname().nodename}"
-        self._put_files: dict[str, Any] = {}  # name -> its blob: each FX entry names every kernel loaded so far
-    def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
-        found = self.entries.entry(key, verify=False)  # checked by `_problem`, which says what it refused
-        if found is None:
-            return None
-        raw, doc, value = found
-        return raw, value, self.entries.files(doc)
-
-    def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None:
-        """A file is read and uploaded once per process (its name is its content's hash), however
-        many later entries name it."""
-        new = read_files({n: p for n, p in files.items() if n not in self._put_files})
-        self._put_files.update((n, self.entries.store.put_bytes(data)) for n, data in new.items())
-        self.entries.put(key, value, self.writer, {n: self._put_files[n] for n in files if n in self._put_files}, facts)
-
-    def note_graph(self, key: bytes, parts: dict[str, list[str]]) -> None:
-        """Which key this graph (its `gm` part) was last published under, and what went into it."""
-        self.entries.note_graph(parts["gm"][0], key, json.dumps(parts).encode(), self.writer)
-
-    def graph(self, gm: str) -> tuple[str, str, dict[str, list[str]]] | None:
-        found = self.entries.graph(gm)
-        return None if found is None else (found[0], found[1], json.loads(found[2]))
-
-
-class _EndpointSource(_Source):
-    def __init__(self, url: str):
-        import redis  # redis-py, as torch's own Redis backend needs
-
-        self.client = redis.Redis.from_url(url)
-        self._refused = redis.ResponseError
-        self._sent: dict[str, bytes] = {}  # kernel name → its blob in the store, once its bytes went
-
-    def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
-        reply = self.client.execute_command("FARM.ENTRY", key)
-        if reply is None:
-            return None
-        raw, value, files = reply
-        return raw, value, {name.decode(): data for name, data in files}
-
-    def put(self, key: bytes, value: bytes, files: dict[str, str], facts: dict[str, Any]) -> None:
-        """Each kernel's bytes travel once per process; later entries that name it send its blob
-        (`sha256:DIGEST:SIZE`), and all bytes again if the store no longer holds one (collected)."""
-        if not files:
-            self.client.set(key, value)
-            return
-        new = read_files({n: p for n, p in files.items() if n not in self._sent})
-        try:
-            self._farm_put(key, value, facts, {**{n: self._sent[n] for n in files if n in self._sent}, **new})
-        except self._refused as e:
-            if "which the store does not hold" not in str(e):
-                raise
-            self._sent.clear()
-            self._farm_put(key, value, facts, read_files(files))
-            new = {}
-        self._sent.update((n, f"sha256:{hashlib.sha256(d).hexdigest()}:{len(d)}".encode()) for n, d in new.items())
-
-    def _farm_put(self, key: bytes, value: bytes, facts: dict[str, Any], files: dict[str, bytes]) -> None:
-        named = [part for name, data in sorted(files.items()) for part in (name.encode(), data)]
-        self.client.execute_command("FARM.PUT", key, value, json.dumps(facts).encode(), *named)
-
-
 # torch's side -------------------------------------------------------------------------
 def kind_of_key(key: bytes) -> str:
     from storage.remote_cache import kind_of
@@ -276,7 +199,7 @@ def _backend_class() -> type:
     class Backend(RemoteCacheBackend):  # type: ignore[misc, type-arg]
         """What torch calls for each remote-cache get and put."""
 
-        def __init__(self, cache: FarmCache, source: _Source):
+        def __init__(self, cache: FarmCache, source: Source):
             super().__init__()
             self.cache, self.source = cache, source
 
@@ -289,12 +212,18 @@ def _backend_class() -> type:
     return Backend
 
 
-def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
+def _get(cache: FarmCache, source: Source, key: bytes) -> bytes | None:
     found = _checked(cache, source, key)
+    if found is None and source.resting():  # nothing to explain or wait on: it is not answering
+        return None
     if found is None and kind_of_key(key) == FX_KIND:
         explain_miss(cache, source, key)
     if found is None and cache.leases is not None and kind_of_key(key) in LEASED_KINDS:
-        found = _compile_once(cache, source, key)
+        try:
+            found = _compile_once(cache, source, key)
+        except Exception as e:  # noqa: BLE001 - the store failed while waiting: compiled here, as for a miss
+            source.failed(e)
+            return None
     if found is None:
         return None
     value, files, facts = found
@@ -304,7 +233,7 @@ def _get(cache: FarmCache, source: _Source, key: bytes) -> bytes | None:
     return value
 
 
-def _compile_once(cache: FarmCache, source: _Source, key: bytes) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
+def _compile_once(cache: FarmCache, source: Source, key: bytes) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
     """After a miss: the entry, once the process holding the key's lease published it; or None
     with the lease now held here (torch compiles, `_put` publishes and releases), or after
     waiting `wait_s` on a live holder. A lease whose compile ended without a put (torch failed,
@@ -356,17 +285,21 @@ def _release_when_compiles_end(cache: FarmCache) -> None:
     cache._undo.append(lambda: callback_handler.remove_end_callback(ended))
 
 
-def _checked(cache: FarmCache, source: _Source, key: bytes,
+def _checked(cache: FarmCache, source: Source, key: bytes,
              quiet: bool = False) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
     """(value, files, facts) of an entry that passed `_problem`; None for a miss or a refusal
     (`quiet`: a miss is not counted, as while waiting on a lease)."""
+    if source.resting():  # it failed a moment ago: a miss, unasked (jit_sources.RETRY_S)
+        if not quiet:
+            cache.count("errors")
+        return None
     try:
         found = source.entry(key)
     except Exception as e:  # noqa: BLE001 - a cache that cannot answer is a miss; torch compiles
-        log.warning("farm cache: %s not read from %s (%s: %s): compiling it here", key[:80], cache.source,
-                    type(e).__name__, e)
+        source.failed(e)
         cache.count("errors")
         return None
+    source.answered()
     if found is None:
         if not quiet:
             cache.count("misses")
@@ -397,8 +330,12 @@ def _problem(key: bytes, raw: bytes, value: bytes, trust: Any) -> str | None:
     return None
 
 
-def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
+def _put(cache: FarmCache, source: Source, key: bytes, data: bytes) -> None:
     if not cache.writes:
+        return
+    if source.resting():  # not answering: the entry is not put, and others waiting on it compile
+        cache.release(key)
+        cache.count("puts_skipped")
         return
     files: dict[str, str] = {}
     facts: dict[str, Any] = {}
@@ -407,7 +344,7 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
         if files:  # naming it picks a vector ISA (Inductor's probes), which a graph with no CPU kernel never needs
             facts = {"build_command": cache.build_command()}
             put_probes(cache, source)
-        if isinstance(source, _StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
+        if isinstance(source, StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
             source.note_graph(key, parts)
     try:
         source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
@@ -418,7 +355,7 @@ def _put(cache: FarmCache, source: _Source, key: bytes, data: bytes) -> None:
 
 # Inductor's ISA probes: built before its first cache lookup (the key names the vector ISA), so a
 # reader installs them from an entry of their own per toolchain as Inductor first asks for them.
-def _install_probes(cache: FarmCache, source: _Source) -> None:
+def _install_probes(cache: FarmCache, source: Source) -> None:
     """The toolchain's probes from the farm; where none are there yet and this process writes,
     built here under a lease (other ranks starting at once wait and take them) and published."""
     from workers.backends import kernels

@@ -9,6 +9,7 @@ import concurrent.futures
 import getpass
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -378,6 +379,47 @@ def test_a_tokens_file_that_cannot_be_used_is_refused_with_its_line(tmp_path):
     path.chmod(0o600)
     said = farm("cache-serve", "--store", str(tmp_path / "store"), "--tokens", str(path), "--host", "0.0.0.0")
     assert "not a loopback address" in said and "--tls-cert" in said
+
+
+def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlives_an_endpoint_that_is_down(
+        tokens, tmp_path, monkeypatch, caplog):
+    """A wrong token is the caller's to fix: said as use_farm_cache starts, without the token. A
+    server that does not answer is an outage: said once, lookups are misses (torch compiles), and
+    it is asked again (every RETRY_S, here at once) until it answers."""
+    from torch._inductor.remote_cache import RemoteFxGraphCache
+
+    from farm import jit_sources
+    from farm.client import use_farm_cache
+    from storage.remote_cache import remote_key
+
+    server = _serve(str(tmp_path / "store"), tokens)
+    port = server.port
+    try:
+        for url, said in ((f"redis://alice:{WRITER}@127.0.0.1:{port}", "refused user 'alice'.*tokens file"),
+                          (f"redis://127.0.0.1:{port}", "asks for a user.*redis://NAME:TOKEN@HOST:PORT")):
+            with pytest.raises(ValueError, match=said) as refused:
+                use_farm_cache(url=url)
+            assert WRITER not in str(refused.value)
+    finally:
+        server.stop()
+    monkeypatch.setattr(jit_sources, "RETRY_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="farm.jit_cache")
+    cache = use_farm_cache(url=f"redis://alice:{READER}@127.0.0.1:{port}")  # nothing answers there now
+    try:
+        backend = RemoteFxGraphCache.backend_override_cls()
+        keys = [remote_key("fx-graph-v1", f"k{i}") for i in range(3)]
+        assert [backend.get(k) for k in keys] == [None] * 3 and cache.stats() == {"errors": 3}
+        outage = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+        assert len(outage) == 1 and f"127.0.0.1:{port} failed (ConnectionError" in outage[0], outage
+        assert READER not in caplog.text
+        server = _serve(str(tmp_path / "store"), tokens, port=port)  # back: a miss is a miss again
+        try:
+            assert backend.get(keys[0]) is None and cache.stats() == {"errors": 3, "misses": 1}
+            assert "answers again" in caplog.text
+        finally:
+            server.stop()
+    finally:
+        cache.close()
 
 
 def test_an_entry_whose_value_is_gone_is_a_miss_not_an_error(tmp_path):
