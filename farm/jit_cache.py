@@ -140,7 +140,7 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
             atexit.register(cache.close)
             _release_when_compiles_end(cache)
     else:
-        backend = EndpointSource(url, _without_token(url))
+        backend = EndpointSource(url, _without_token(url), write=bool(write))
         cache = FarmCache(backend.name, writes=bool(write))
     from storage.signing import Trust
 

@@ -89,9 +89,10 @@ class StoreSource(Source):
 
 
 class EndpointSource(Source):
-    def __init__(self, url: str, name: str):
-        """Connected and authenticated at once: a token the server refuses raises ValueError (the
-        caller's to fix); a server that does not answer is an outage (`failed`)."""
+    def __init__(self, url: str, name: str, write: bool = False):
+        """Connected and authenticated at once: a token the server refuses, or a `read` user given
+        to write, raises ValueError (the caller's to fix); a server that does not answer is an
+        outage (`failed`)."""
         import redis  # redis-py, as torch's own Redis backend needs
 
         self.name = name
@@ -101,10 +102,16 @@ class EndpointSource(Source):
         self._sent: dict[str, bytes] = {}  # kernel name → its blob in the store, once its bytes went
         try:
             self.client.ping()
+            role = self.client.execute_command("FARM.WHOAMI")[1] if write else b"write"
         except (redis.AuthenticationError, redis.ResponseError) as e:  # the first a ConnectionError to redis-py
             raise ValueError(self._refused_because(e)) from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
             self.failed(e)
+            return
+        if role != b"write":  # else every put is refused, and a reader's value cuts its connection
+            user = self.client.connection_pool.connection_kwargs.get("username")
+            raise ValueError(f"use_farm_cache: write=True, but {name} lets user {user!r} only {role.decode()}; "
+                             f"give a user of role write in the server's tokens file, or leave write unset to read")
 
     def _refused_because(self, error: Exception) -> str:
         user = self.client.connection_pool.connection_kwargs.get("username")

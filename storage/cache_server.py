@@ -5,7 +5,7 @@ GET and SET; and for `farm.client.use_farm_cache`, FARM.ENTRY key (the entry's i
 as stored, with its signature, which that client checks; its value; the compiled kernels it
 names) and FARM.PUT key value facts [name data]... (a writer's SET with those kernels; a file's
 data may instead be `sha256:DIGEST:SIZE`, a blob the store already holds, so a writer sends each
-kernel once however many of its entries name it). Values
+kernel once however many of its entries name it), and FARM.WHOAMI (the user's name and role). Values
 live in the store (storage/remote_cache.py); who may read or write, in a tokens file
 (storage/cache_tokens.py).
 
@@ -228,6 +228,8 @@ class CacheServer:
             files = await self._store(self.entries.files, found[1])
             named = [resp.array([resp.bulk(n.encode()), resp.bulk(d)]) for n, d in sorted(files.items())]
             return resp.array([resp.bulk(found[0]), resp.bulk(found[2]), resp.array(named)]), False
+        if command == b"FARM.WHOAMI" and len(args) == 1:  # use_farm_cache(write=True) asks before it writes
+            return resp.array([resp.bulk(session.user.name.encode()), resp.bulk(session.user.role.encode())]), False
         if command in (b"GET", b"SET"):
             return resp.error(f"ERR wrong number of arguments for '{command.decode().lower()}' command"), False
         shown = args[0][:40].decode("utf-8", "replace")

@@ -383,8 +383,8 @@ def test_a_tokens_file_that_cannot_be_used_is_refused_with_its_line(tmp_path):
 
 def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlives_an_endpoint_that_is_down(
         tokens, tmp_path, monkeypatch, caplog):
-    """A wrong token is the caller's to fix: said as use_farm_cache starts, without the token. A
-    server that does not answer is an outage: said once, lookups are misses (torch compiles), and
+    """A wrong token, or a reader's given to write, is the caller's to fix: said as use_farm_cache
+    starts, without the token. A server that does not answer is an outage: said once, lookups are misses (torch compiles), and
     it is asked again (every RETRY_S, here at once) until it answers."""
     from torch._inductor.remote_cache import RemoteFxGraphCache
 
@@ -395,11 +395,13 @@ def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlive
     server = _serve(str(tmp_path / "store"), tokens)
     port = server.port
     try:
-        for url, said in ((f"redis://alice:{WRITER}@127.0.0.1:{port}", "refused user 'alice'.*tokens file"),
-                          (f"redis://127.0.0.1:{port}", "asks for a user.*redis://NAME:TOKEN@HOST:PORT")):
+        for url, write, said in ((f"redis://alice:{WRITER}@127.0.0.1:{port}", None, "refused user 'alice'.*tokens file"),
+                                 (f"redis://127.0.0.1:{port}", None, "asks for a user.*redis://NAME:TOKEN@HOST:PORT"),
+                                 (f"redis://alice:{READER}@127.0.0.1:{port}", True, "lets user 'alice' only read")):
             with pytest.raises(ValueError, match=said) as refused:
-                use_farm_cache(url=url)
-            assert WRITER not in str(refused.value)
+                use_farm_cache(url=url, write=write)
+            assert WRITER not in str(refused.value) and READER not in str(refused.value)
+        assert use_farm_cache(url=f"redis://ci:{WRITER}@127.0.0.1:{port}", write=True).close() is None
     finally:
         server.stop()
     monkeypatch.setattr(jit_sources, "RETRY_S", 0.0)
