@@ -219,11 +219,7 @@ def _get(cache: FarmCache, source: Source, key: bytes) -> bytes | None:
     if found is None and kind_of_key(key) == FX_KIND:
         explain_miss(cache, source, key)
     if found is None and cache.leases is not None and kind_of_key(key) in LEASED_KINDS:
-        try:
-            found = _compile_once(cache, source, key)
-        except Exception as e:  # noqa: BLE001 - the store failed while waiting: compiled here, as for a miss
-            source.failed(e)
-            return None
+        found = _waited(cache, source, key)
     if found is None:
         return None
     value, files, facts = found
@@ -265,6 +261,15 @@ def _compile_once(cache: FarmCache, source: Source, key: bytes) -> tuple[bytes, 
         return None
     cache.count("waited_hits")
     return claim
+
+
+def _waited(cache: FarmCache, source: Source, key: bytes) -> tuple[bytes, dict[str, bytes], dict[str, Any]] | None:
+    """_compile_once, where the store failing meanwhile is a miss (compiled here), not torch's error."""
+    try:
+        return _compile_once(cache, source, key)
+    except Exception as e:  # noqa: BLE001 - the lease's store failed: compiled here, as for a miss
+        source.failed(e)
+        return None
 
 
 def _release_when_compiles_end(cache: FarmCache) -> None:
@@ -339,15 +344,19 @@ def _put(cache: FarmCache, source: Source, key: bytes, data: bytes) -> None:
         return
     files: dict[str, str] = {}
     facts: dict[str, Any] = {}
-    if kind_of_key(key) == FX_KIND:
-        files = dict(cache._loaded)
-        if files:  # naming it picks a vector ISA (Inductor's probes), which a graph with no CPU kernel never needs
-            facts = {"build_command": cache.build_command()}
-            put_probes(cache, source)
-        if isinstance(source, StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
-            source.note_graph(key, parts)
     try:
-        source.put(key, data, files, facts)  # an error reaches torch, which logs it and goes on
+        if kind_of_key(key) == FX_KIND:
+            files = dict(cache._loaded)
+            if files:  # naming it picks a vector ISA (Inductor's probes), which a graph with no CPU kernel never needs
+                facts = {"build_command": cache.build_command()}
+                put_probes(cache, source)
+            if isinstance(source, StoreSource) and (parts := cache._parts.get(fx_id(key))) is not None:
+                source.note_graph(key, parts)
+        source.put(key, data, files, facts)
+    except Exception as e:  # noqa: BLE001 - said once (Source.failed), not a stack per graph from torch
+        source.failed(e)
+        cache.count("puts_skipped")
+        return
     finally:
         cache.release(key)  # published (or not: then the next claimant compiles it)
     cache.count("writes")
@@ -362,13 +371,16 @@ def _install_probes(cache: FarmCache, source: Source) -> None:
 
     key = cache._probes_key
     found = _checked(cache, source, key)
-    if found is None and cache.leases is not None:
-        found = _compile_once(cache, source, key)
+    if found is None and cache.leases is not None and not source.resting():
+        found = _waited(cache, source, key)
         if key in cache._held:  # ours to build: Inductor checks every ISA it might use
             from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
             valid_vec_isa_list()
-            put_probes(cache, source)
+            try:
+                put_probes(cache, source)
+            except Exception as e:  # noqa: BLE001 - within Inductor's question of the host's ISAs: not torch's error
+                source.failed(e)
     if found is not None:
         files = {n: d for n, d in found[1].items() if PROBE_PATH.fullmatch(n)}
         cache.count("probes_installed", kernels.install(files))

@@ -66,7 +66,7 @@ class StoreSource(Source):
         self._put_files: dict[str, Any] = {}  # name -> its blob: each FX entry names every kernel loaded so far
 
     def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:
-        found = self.entries.entry(key, verify=False)  # checked by jit_cache._problem, which says what it refused
+        found = self.entries.entry(key, verify=False, outages_raise=True)  # checked by jit_cache._problem
         if found is None:
             return None
         raw, doc, value = found

@@ -93,13 +93,21 @@ class CacheEntries:
         found = self.entry(key)
         return found[2] if found is not None else None
 
-    def entry(self, key: bytes, verify: bool = True) -> tuple[bytes, dict[str, Any], bytes] | None:
+    def entry(self, key: bytes, verify: bool = True,
+              outages_raise: bool = False) -> tuple[bytes, dict[str, Any], bytes] | None:
         """(the index document as stored, what it says, the value), or None for a miss (as `get`).
         The document's bytes carry its signature, for a client to check itself (FARM.ENTRY);
-        `verify=False` leaves that check to the caller (use_farm_cache, which says what it refused)."""
+        `verify=False` leaves that check to the caller (use_farm_cache, which says what it refused).
+        A store that fails to read the document is a miss too, unless `outages_raise` (the
+        caller then stops asking it for a while: use_farm_cache)."""
         path, kind = index_path(key), kind_of(key)
         try:
             raw = self.store.backend.read(path)
+        except StoreError as e:
+            if outages_raise:
+                raise
+            return self._refused(path, kind, e)
+        try:
             doc = json.loads(raw) if raw is not None else None
             if doc is not None and verify:
                 doc = self.store.trust.open(path, doc)
@@ -110,13 +118,16 @@ class CacheEntries:
                 return None
             value = self.store.get_bytes(BlobRef.from_dict(doc["blob"]).digest)
         except (StoreError, KeyError, TypeError, ValueError) as e:
-            log.warning("remote cache: %s refused, served as a miss: %s", path, e)
-            self._count(kind, "refused")
-            return None
+            return self._refused(path, kind, e)
         self._count(kind, "hits")
         self._count(kind, "bytes_read", len(value))
         self._renew(path)
         return raw, doc, value
+
+    def _refused(self, path: str, kind: str, error: Exception) -> None:
+        log.warning("remote cache: %s refused, served as a miss: %s", path, error)
+        self._count(kind, "refused")
+        return None
 
     def put(self, key: bytes, value: bytes, writer: str, files: dict[str, bytes | BlobRef] | None = None,
             facts: dict[str, Any] | None = None) -> None:

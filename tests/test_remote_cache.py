@@ -424,6 +424,57 @@ def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlive
         cache.close()
 
 
+class _GoesDown:
+    """A local store's backend that fails every call while `down` (an S3 endpoint gone away)."""
+
+    def __init__(self, inner):
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if self.down:
+                from storage.backend import StoreError
+
+                raise StoreError(f"{name}: the store does not answer")
+            return attr(*args, **kwargs)
+        return call
+
+
+def test_a_writer_whose_store_goes_down_compiles_without_it_and_says_so_once(tmp_path, monkeypatch, caplog):
+    """store= with leases (a writer): lookups, waits and puts while the store fails are misses and
+    skipped puts, not torch's errors; one warning for the outage, and one as it answers again."""
+    from torch._inductor.remote_cache import RemoteFxGraphCache
+
+    from farm import jit_sources
+    from farm.client import use_farm_cache
+    from storage import Store
+    from storage.remote_cache import remote_key
+
+    monkeypatch.setattr(jit_sources, "RETRY_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="farm.jit_cache")
+    backend = _GoesDown(store_from_uri(str(tmp_path / "store")).backend)
+    cache = use_farm_cache(store=Store(backend), write=True)
+    try:
+        remote = RemoteFxGraphCache.backend_override_cls()
+        key = remote_key("fx-graph-v1", "k0")
+        backend.down = True
+        assert remote.get(key) is None and remote.get(key) is None  # the second not even asked
+        remote.put(key, b"entry")  # skipped: torch compiled it, and goes on
+        assert cache.stats() == {"errors": 2, "puts_skipped": 1} and not cache._held  # no lease on a store that is down
+        assert len([r for r in caplog.records if "does not answer" in r.getMessage()]) == 1, caplog.text
+        backend.down = False
+        time.sleep(0.6)  # RETRY_S later: asked again
+        assert remote.get(key) is None and cache.stats() == {"errors": 2, "puts_skipped": 1, "misses": 1, "leases": 1}
+        remote.put(key, b"entry")
+        assert "answers again" in caplog.text and cache.stats()["writes"] == 1 and not cache._held
+    finally:
+        cache.close()
+
+
 def test_an_entry_whose_value_is_gone_is_a_miss_not_an_error(tmp_path):
     store = store_from_uri(str(tmp_path / "store"))
     entries = CacheEntries(store)
