@@ -16,21 +16,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import pyarrow as pa
-
-from farm.service_client import job_spec
 from farm.stores import open_store
 from farm.warm import WarmStartError, warm_start
-from scheduler.jobs import (ENDED, Events, JobOutcome, NoEvents, empty_status, execute, new_job_id, read_outcome,
-                            read_status)
 from scheduler.fair import weight_of
-from scheduler.spec import JobSpec
 from storage import Store, UnknownKey
-from storage.results import read_results_table
 from storage.service_jobs import JOB_ID, ServiceInbox, ServiceJobs
-from storage.stats import STATS_FILE
+
+if TYPE_CHECKING:  # the job's side (pyarrow, the spec's and the scheduler's modules) is imported as it is used:
+    import pyarrow as pa  # a training process that only wants use_farm_cache never pays for it
+
+    from scheduler.jobs import Events, JobOutcome
+    from scheduler.spec import JobSpec
 
 __all__ = ["FarmCache", "JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned",
            "resolve_job", "run", "submit", "use_farm_cache", "warm_start"]
@@ -83,6 +81,8 @@ class JobHandle:
 
     def status(self) -> dict[str, Any]:
         """How far the job got, from the store: state, total, queued, running, compiled, hit, failed, retries."""
+        from scheduler.jobs import empty_status, read_status
+
         doc = read_status(self.store, self.job_id)
         if doc is not None:
             return doc
@@ -97,6 +97,8 @@ class JobHandle:
         raise UnknownJob(f"no job {self.job_id} in {self.store.uri}")
 
     def done(self) -> bool:
+        from scheduler.jobs import ENDED
+
         if self._thread is not None:
             return not self._thread.is_alive()
         return self.status()["state"] in ENDED
@@ -111,6 +113,8 @@ class JobHandle:
             while not self.done() and (deadline is None or time.monotonic() < deadline):
                 time.sleep(every)
             if self.done():
+                from scheduler.jobs import read_outcome
+
                 self.outcome = read_outcome(self.store, self.job_id)
         if self._error is not None:
             raise self._error
@@ -118,6 +122,8 @@ class JobHandle:
 
     def results(self) -> pa.Table:
         """One row per unit (columns: storage.results.RESULTS_SCHEMA); `.to_pandas()` for a DataFrame."""
+        from storage.results import read_results_table
+
         self.wait()
         table = read_results_table(self.store, self.job_id)
         if table is None:
@@ -128,6 +134,8 @@ class JobHandle:
     def stats(self) -> dict[str, Any]:
         """Hit rate, compile time saved and spent, bytes moved (storage.stats.JobStats)."""
         import json
+
+        from storage.stats import STATS_FILE
 
         self.wait()
         data = self.store.get_job_file(self.job_id, STATS_FILE)
@@ -144,6 +152,9 @@ def job(job_id: str, store: str | Store | None = None) -> JobHandle:
 
 def _start(spec: JobSpec | dict | str | Path, store: str | Store | None, wait: bool, events: Events,
            run_job: Callable[[JobSpec, Store, str, Events], JobOutcome]) -> JobHandle:
+    from farm.service_client import job_spec
+    from scheduler.jobs import new_job_id
+
     spec, s = job_spec(spec), open_store(store)
     handle = JobHandle(new_job_id(spec.name), s)
 
@@ -174,7 +185,8 @@ def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, 
     handed to it (farm/service_client.py, `find`): it runs there at `priority` (default: the
     spec's) and goes on if this process ends; `store` must be the service's or None. `events` and
     `metrics_port` do not apply there."""
-    from farm.service_client import find
+    from farm.service_client import find, job_spec
+    from scheduler.jobs import NoEvents, execute
 
     service = find(address, store)
     if service is not None:
@@ -219,6 +231,8 @@ def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, 
 def run(spec: JobSpec | dict | str | Path, store: str | Store | None = None, wait: bool = True,
         events: Events | None = None) -> JobHandle:
     """Run a job in this process, one unit at a time (no Ray)."""
+    from scheduler.jobs import NoEvents, execute
+
     return _start(spec, store, wait, events or NoEvents(), lambda job, s, job_id, ev: execute(job, s, events=ev, job_id=job_id))
 
 
