@@ -24,11 +24,13 @@ so every case finds it but those of a fresh machine.
                  process plus three plain hits (a reader afterwards, on a fresh machine), as
                  where one rank compiles every key (where two share the keys, each also pays
                  the compile's own start: its worker pool, Inductor's codegen); and the same
-                 without importing Dynamo and Inductor, which every torch.compile process pays
+                 without importing Dynamo and Inductor, which every torch.compile process pays;
+                 run --rank-trials times (3), each on an empty store and cache dir: the
+                 median trial is shown, with every trial's ratio
 
 and the endpoint's throughput: GETs of a 100 KiB value per second on loopback, one client.
 
-    .venv/bin/python bench/remote_cache.py [--models gpt encoder_block] [--steps 3]
+    .venv/bin/python bench/remote_cache.py [--models gpt encoder_block] [--steps 3] [--rank-trials 3]
 
 Goals (issue 37): stock farm within 10 % of stock Redis; use_farm_cache at most 0.2 with 0
 kernel builds; 4 ranks at most 1.3x; at least 2,000 GETs/s.
@@ -121,6 +123,15 @@ def _run(args: argparse.Namespace, root: Path, **env: str) -> dict:
     return _finish(_start(args, root, env))
 
 
+def _four_ranks(args: argparse.Namespace, root: Path, store: Path) -> tuple[Path, list[dict]]:
+    """Four writer processes at once on an empty store and one machine's empty Inductor cache dir
+    (ranks on one machine share it)."""
+    host = tempfile.mkdtemp(prefix="inductor-ranks-", dir=root)
+    ranks = [_start(args, root, {"BENCH_FARM_STORE": str(store), "BENCH_FARM_WRITE": "1", "TORCHINDUCTOR_CACHE_DIR": host})
+             for _ in range(4)]
+    return store, [_finish(p) for p in ranks]
+
+
 def _stock(url: str) -> dict[str, str]:
     return {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
             "TORCHINDUCTOR_REDIS_URL": url}
@@ -143,6 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["gpt", "encoder_block"])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rank-trials", type=int, default=3, help="runs of the four ranks; the median is shown")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="farm-bench-remote-cache-"))
     try:
@@ -161,7 +173,7 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
     tokens = root / "tokens"
     tokens.write_text(f"bench write {token}\n")
     tokens.chmod(0o600)
-    stores = {name: root / f"store-{name}" for name in ("stock", "farm", "ranks")}
+    stores = {name: root / f"store-{name}" for name in ("stock", "farm")}
     servers = {name: CacheServer(CacheEntries(store_from_uri(str(stores[name]))), read_tokens(tokens))
                for name in ("stock", "farm")}
     for server in servers.values():
@@ -191,11 +203,10 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
     fresh_stock = _run(args, root, TMPDIR=fresh(), **_stock(url["stock"]))
     fresh_farm = _run(args, root, TMPDIR=fresh(), BENCH_FARM_URL=url["farm"])
     one = _run(args, root, BENCH_FARM_STORE=str(root / "store-one"), BENCH_FARM_WRITE="1")
-    host = tempfile.mkdtemp(prefix="inductor-ranks-", dir=root)  # one machine's cache dir, empty: its ranks share it
-    ranks = [_start(args, root, {"BENCH_FARM_STORE": str(stores["ranks"]), "BENCH_FARM_WRITE": "1",
-                                 "TORCHINDUCTOR_CACHE_DIR": host}) for _ in range(4)]
-    ranks = [_finish(p) for p in ranks]
-    after = _run(args, root, BENCH_FARM_STORE=str(stores["ranks"]), BENCH_FARM_WRITE="0")  # a plain hit, for the floor
+    ratio_of = lambda trial: sum(r["compile_cpu_s"] for r in trial[1]) / one["compile_cpu_s"]  # noqa: E731
+    trials = sorted((_four_ranks(args, root, root / f"store-ranks-{i}") for i in range(args.rank_trials)), key=ratio_of)
+    ranks_store, ranks = trials[len(trials) // 2]  # the median trial (runs on 2 cores vary by about 0.1x)
+    after = _run(args, root, BENCH_FARM_STORE=str(ranks_store), BENCH_FARM_WRITE="0")  # a plain hit, for the floor
     rate = _throughput(servers["farm"].port, token)
     for server in servers.values():
         server.stop()
@@ -223,10 +234,11 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
     show("  stock torch + farm cache-serve, filled", fresh_stock, fresh_cold)
     show("  use_farm_cache through cache-serve", fresh_farm, fresh_cold)
     total, whole = sum(r["compile_cpu_s"] for r in ranks), sum(r["cpu_s"] for r in ranks)
-    print(f"4 ranks at once on a cold farm cache: {total:.1f} compile CPU-s together (their steps, waits included) "
-          f"against one cold process's {one['compile_cpu_s']:.1f} = {total / one['compile_cpu_s']:.2f}x  (goal: at "
-          f"most 1.3x; FX hits per rank: {[r['fx_hit'] for r in ranks]}); whole processes, torch's import included: "
-          f"{whole:.1f} against {one['cpu_s']:.1f} = {whole / one['cpu_s']:.2f}x")
+    print(f"4 ranks at once on a cold farm cache, the median of {len(trials)} trials "
+          f"({', '.join(f'{ratio_of(t):.2f}x' for t in trials)}): {total:.1f} compile CPU-s together (their steps, "
+          f"waits included) against one cold process's {one['compile_cpu_s']:.1f} = {total / one['compile_cpu_s']:.2f}x"
+          f"  (goal: at most 1.3x; FX hits per rank: {[r['fx_hit'] for r in ranks]}); whole processes, torch's import "
+          f"included: {whole:.1f} against {one['cpu_s']:.1f} = {whole / one['cpu_s']:.2f}x")
     steps, steps_one = sum(r["steps_cpu_s"] for r in ranks), one["steps_cpu_s"]
     print(f"  to the end of their steps, the interpreter's exit not counted (about 1 CPU-s a process, torch's objects "
           f"torn down): {steps:.1f} against {steps_one:.1f} = {steps / steps_one:.2f}x; each rank's: "
