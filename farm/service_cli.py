@@ -141,15 +141,18 @@ def jobs(address: Optional[str] = AddressOpt,
     out.print(table)
 
 
-def cancel(job_id: str = typer.Argument(..., help="the job's id"), address: Optional[str] = AddressOpt) -> None:
+def cancel(job_id: str = typer.Argument(..., help="the job's id"), address: Optional[str] = AddressOpt,
+           store: Optional[str] = typer.Option(None, "--store", help="ask through the service's store instead: "
+                                                                     "no Ray needed")) -> None:
     """Cancel a job of the farm service: its queued units are dropped, its running ones stopped
     (nothing half-published); units already done keep their artifacts."""
     from farm.console import out
-    from farm.service_client import ServiceRefused
+    from farm.service_client import ServiceRefused, cancel_in_store
+    from storage import StoreError
 
     try:
-        said = _service(address).cancel(job_id)
-    except ServiceRefused as e:
+        said = cancel_in_store(store, job_id) if store is not None else _service(address).cancel(job_id)
+    except (ServiceRefused, StoreError) as e:
         raise fail(str(e)) from e
     out.print(f"job {said['job_id']} cancelled: {said['units_stopped']} units dropped or stopped")
 

@@ -156,6 +156,30 @@ def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
     return rows
 
 
+def cancel_in_store(store: str | Store | None, job_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """`farm cancel --store`, with no Ray: the request goes in the store's inbox and the service
+    answers there ({"job_id", "units_stopped"}); ServiceRefused with what it said otherwise."""
+    import time
+
+    s = open_store(store)
+    inbox = ServiceInbox(s)
+    if inbox.alive() is None:
+        raise ServiceRefused(f"no farm service watches {s.uri} (no heartbeat in its store); nothing was cancelled")
+    try:
+        inbox.post_cancel(job_id)
+    except ValueError as e:
+        raise ServiceRefused(f"no job {job_id!r}: {e}") from None
+    deadline = time.monotonic() + timeout_s
+    while (said := inbox.answer(job_id)) is None:
+        if time.monotonic() > deadline:
+            raise ServiceRefused(f"the farm service on {s.uri} did not answer within {timeout_s:g}s; the request "
+                                 f"stays in its inbox, and `farm jobs --store {s.uri}` shows whether it was taken")
+        time.sleep(0.1)
+    if "error" in said:
+        raise ServiceRefused(said["error"])
+    return said
+
+
 def find(address: str | None, store: str | Store | None) -> Service | None:
     """The farm service to hand a job to: the one whose heartbeat is in the store (named, FARM_STORE,
     or with no cluster named, the default), reached through the inbox; else the one on the

@@ -183,12 +183,18 @@ class FarmScheduler:
             deadline = time.monotonic() + max(10.0, 20 * self._inbox_poll_s)
             while self.inbox.waiting(job_id) and time.monotonic() < deadline:
                 time.sleep(self._inbox_poll_s)
-            record, ended = self._known(job_id)
-        if record is None:
-            if ended is not None:
-                return {"error": f"job {job_id} already ended ({ended.state}); nothing to cancel"}
+        return self._cancel(job_id)
+
+    def _cancel(self, job_id: str) -> dict[str, Any]:
+        record, ended = self._known(job_id)
+        if record is None and ended is None:
             return {"error": f"no job {job_id} in this farm service; `farm jobs` lists them"}
-        record.state = "cancelled"
+        with self._lock:  # the job's thread moves it on under the same lock (`_moved`): one of them wins
+            live = record is not None and record.state in ("queued", "running")
+            if live:
+                record.state = "cancelled"
+        if not live:
+            return {"error": f"job {job_id} already ended ({(record or ended).state}); nothing to cancel"}
         self.records.put(record)
         return {"job_id": job_id, "units_stopped": self.pool.cancel(job_id)}
 
@@ -258,6 +264,13 @@ class FarmScheduler:
         """Record the entry's job (or its refusal, in its status) first, then remove the entry."""
         if self._stopped:
             return  # stopping: the entry waits for the next service
+        if entry.cancel:  # `farm cancel --store`: answered in the store (a job posted before it is recorded by now)
+            said = self._cancel(entry.job_id) if entry.job_id is not None else {"error": entry.error}
+            if entry.job_id is not None:
+                self.inbox.answer_cancel(entry.job_id, said)
+            log.info("farm service: cancel of %s through the store: %s", entry.job_id or entry.path, said)
+            self.inbox.done(entry)
+            return
         said = self.submit(entry.spec, entry.priority, entry.job_id) if entry.spec is not None else {"error": entry.error}
         if "error" in said and not said.get("taken") and entry.job_id is not None:
             doc = {**empty_status(entry.job_id, "rejected"), "updated_at": now(),
@@ -285,19 +298,17 @@ class FarmScheduler:
 
         try:
             job = parse_job(record.spec, f"the service's record of job {record.job_id}")
-            if record.state == "queued":
-                record.state = "running"
+            if self._moved(record, "queued", "running"):
                 self.records.put(record)
             runner = ServiceRunner(self.pool, record.job_id, record.priority, job.limits.workers)
             observer = RayObserver(NoEvents(), job.name, record.job_id, self.store.uri)
             outcome = execute(job, self.store, runner, observer, record.job_id)
             observer.done(outcome)
-            if record.state != "cancelled":
-                record.state = "done"
+            self._moved(record, "running", "done")
         except Exception as e:  # noqa: BLE001 - a job's thread has no caller: its record says what stopped it
             log.exception("farm service: job %s stopped", record.job_id)
-            if record.state != "cancelled":
-                record.state, record.error = "failed", f"{type(e).__name__}: {e}"
+            if self._moved(record, ("queued", "running"), "failed"):
+                record.error = f"{type(e).__name__}: {e}"
         finally:
             self.pool.finish(record.job_id)
             if self._stopped:
@@ -316,6 +327,15 @@ class FarmScheduler:
             with self._lock:
                 self._active.pop(record.job_id, None)
                 self._ended.append(record)
+
+    def _moved(self, record: JobRecord, was: str | tuple[str, ...], to: str) -> bool:
+        """The job's state from `was` (one of them) to `to`, unless a cancel came first (under
+        `_cancel`'s lock)."""
+        with self._lock:
+            if record.state not in ((was,) if isinstance(was, str) else was):
+                return False
+            record.state = to
+            return True
 
     def _mark_status(self, record: JobRecord, status: dict[str, Any]) -> None:
         """A cancelled or failed job's status says so (execute wrote `done`, or nothing)."""

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "service/jobs/"
 INBOX = "service/inbox/"
+CANCELS = "service/inbox/cancel/"  # `farm cancel --store`: a job to cancel, listed with the inbox's jobs
+ANSWERS = "service/answers/"  # what the service said to such a request, read (and removed) by its client
 ALIVE = "service/alive.json"
 BEAT_S = 2.0  # how often a service writes its heartbeat
 STALE_S = 15.0  # a heartbeat older than this (by the reader's clock) means no service watches the store
@@ -108,6 +110,7 @@ class InboxEntry:
     spec: dict[str, Any] | None  # None: unreadable, and `error` says why
     priority: str | None = None
     error: str | None = None
+    cancel: bool = False  # a request to cancel job `job_id`, not a job
 
 
 class ServiceInbox:
@@ -125,6 +128,30 @@ class ServiceInbox:
         doc = {"job_id": job_id, "spec": spec, "priority": priority, "posted_at": now()}
         self.store.backend.write(f"{INBOX}{job_id}.json", json.dumps(doc).encode())
 
+    def post_cancel(self, job_id: str) -> None:
+        """Ask the service to cancel `job_id`; its answer comes back through `answer`."""
+        if not JOB_ID.fullmatch(job_id):
+            raise ValueError(f"{job_id!r} is not a job id the farm makes")
+        self.store.backend.delete(f"{ANSWERS}cancel-{job_id}.json")  # an earlier request's, never read
+        self.store.backend.write(f"{CANCELS}{job_id}.json", json.dumps({"job_id": job_id, "posted_at": now()}).encode())
+
+    def answer(self, job_id: str) -> dict[str, Any] | None:
+        """The service's answer to a request to cancel `job_id` ({"units_stopped": n} or {"error": ...}),
+        removed as it is read; None while there is none."""
+        path = f"{ANSWERS}cancel-{job_id}.json"
+        data = self.store.backend.read(path)
+        if data is None:
+            return None
+        self.store.backend.delete(path)
+        try:
+            said = json.loads(data)
+        except ValueError:
+            said = None
+        return said if isinstance(said, dict) else {"error": f"the service's answer in {path} is not one it writes"}
+
+    def answer_cancel(self, job_id: str, said: dict[str, Any]) -> None:
+        self.store.backend.write(f"{ANSWERS}cancel-{job_id}.json", json.dumps(said).encode())
+
     def waiting(self, job_id: str) -> bool:
         return JOB_ID.fullmatch(job_id) is not None and self.store.backend.exists(f"{INBOX}{job_id}.json")
 
@@ -132,6 +159,12 @@ class ServiceInbox:
         """Up to TAKEN_PER_POLL entries, each read (not yet removed: see `done`)."""
         taken = []
         for info in sorted(self.store.backend.list_info(INBOX), key=lambda i: i.mtime)[:TAKEN_PER_POLL]:
+            if info.path.startswith(CANCELS):
+                job_id = info.path[len(CANCELS):].removesuffix(".json")
+                taken.append(InboxEntry(info.path, job_id, None, cancel=True) if JOB_ID.fullmatch(job_id) else
+                             InboxEntry(info.path, None, None, error="its name is not a job id the farm makes",
+                                        cancel=True))
+                continue
             job_id = info.path[len(INBOX):].removesuffix(".json")
             if not JOB_ID.fullmatch(job_id):
                 taken.append(InboxEntry(info.path, None, None, error="its name is not a job id the farm makes"))

@@ -283,25 +283,19 @@ def test_a_client_without_ray_hands_its_job_over_through_the_store(service, zoo_
     """A laptop or CI runner that has the store but no Ray: `farm submit --store` sees the service's
     heartbeat, puts the job in the store's inbox and follows it there. A bad entry written straight
     into the inbox is refused in that job's status, and the service goes on."""
-    import os
     import re
 
     from storage.service_jobs import ServiceInbox
 
     spec = tmp_path / "job.yaml"
     spec.write_text(json.dumps(_job(zoo_dir, ["mlp"], "no-ray", verify={"atol": 0.5})))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    no_ray = "import sys; sys.modules['ray'] = None; from farm.cli import app; app()"  # `import ray` fails
-    done = subprocess.run([sys.executable, "-c", no_ray, "submit", str(spec), "--store", service.store_uri,
-                           "--priority", "interactive"], capture_output=True, text=True, env=env, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    done = _without_ray("submit", str(spec), "--store", service.store_uri, "--priority", "interactive")
     said = done.stdout + done.stderr
     assert done.returncode == 0 and "through its store's inbox" in said, said[-3000:]
     job_id = re.search(r"job (\S+) handed to the farm service", said).group(1)
     assert {j["job_id"]: j["priority"] for j in service.jobs()}[job_id] == "interactive"
     assert [r["status"] for r in read_results(service.store(), job_id)] in (["compiled"], ["hit"])
-    listed = subprocess.run([sys.executable, "-c", no_ray, "jobs", "--json", "--store", service.store_uri],
-                            capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    listed = _without_ray("jobs", "--json", "--store", service.store_uri)
     assert listed.returncode == 0, listed.stderr[-3000:]
     row = {j["job_id"]: j for j in json.loads(listed.stdout)}[job_id]  # the same listing, from the store alone
     assert (row["priority"], row["state"], row["total"], row["hit"] + row["compiled"]) == ("interactive", "done", 1, 1)
@@ -313,6 +307,33 @@ def test_a_client_without_ray_hands_its_job_over_through_the_store(service, zoo_
     doc = handle.status()
     assert doc["state"] == "rejected" and "path on the submitting machine" in doc["error"], doc
     assert not inbox.waiting("hostile-1") and "hostile-1" not in {j["job_id"] for j in service.jobs()}
+
+
+def _without_ray(*args: str) -> subprocess.CompletedProcess:
+    """`farm ARGS` on a machine with no Ray: `import ray` fails, and no cluster is named."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    no_ray = "import sys; sys.modules['ray'] = None; from farm.cli import app; app()"
+    return subprocess.run([sys.executable, "-c", no_ray, *args], capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_a_client_without_ray_cancels_a_job_through_the_store(service, zoo_dir, tmp_path):
+    """`farm cancel --store`: the request goes in the store's inbox and the service answers there;
+    a job that ended, or none, is refused with the reason."""
+    spec = tmp_path / "job.yaml"  # keys no other test makes (weights: shapes), so its units compile, not hit
+    spec.write_text(json.dumps(_job(zoo_dir, ["gpt", "encoder_block", "cnn", "mlp"], "cancelled-no-ray",
+                                    target="aoti-cpu:x86-64", weights="shapes")))
+    detached = _without_ray("submit", str(spec), "--store", service.store_uri, "--detach")
+    assert detached.returncode == 0, detached.stderr[-3000:]
+    job_id = detached.stdout.split()[-1]
+    said = _without_ray("cancel", job_id, "--store", service.store_uri)
+    assert said.returncode == 0 and f"job {job_id} cancelled" in " ".join(said.stdout.split()), said.stderr[-3000:]
+    assert _wait(client.JobHandle(job_id, service.store()))["state"] == "cancelled"
+    for job, reason in ((job_id, "already ended"), ("nope-1", "no job nope-1")):
+        refused = _without_ray("cancel", job, "--store", service.store_uri)
+        assert refused.returncode != 0 and reason in " ".join(refused.stderr.split()), refused.stderr[-3000:]
 
 
 def test_the_service_serves_its_store_to_pytorchs_remote_caches_and_says_where_but_not_the_tokens(service):

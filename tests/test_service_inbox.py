@@ -10,7 +10,7 @@ import time
 import pytest
 
 from storage import store_from_uri
-from storage.service_jobs import ALIVE, INBOX, INBOX_MAX_BYTES, ServiceInbox
+from storage.service_jobs import ALIVE, ANSWERS, CANCELS, INBOX, INBOX_MAX_BYTES, ServiceInbox
 
 
 def test_entries_are_read_back_until_done_and_foreign_ones_are_refused(store):
@@ -32,6 +32,29 @@ def test_entries_are_read_back_until_done_and_foreign_ones_are_refused(store):
     assert inbox.entries() == [] and not inbox.waiting("mine-20261126-000000-abcd")
     with pytest.raises(ValueError, match="not a job id"):
         inbox.post("../escape", spec, None)
+
+
+def test_a_cancel_goes_in_with_the_jobs_and_its_answer_comes_back_once(store):
+    """`farm cancel --store`: the request is listed with the inbox's jobs (one listing), a name that
+    is no job id is refused, and the service's answer is read back once."""
+    inbox = ServiceInbox(store)
+    inbox.post("mine-20261126-000000-abcd", {"graphs": ["blob://sha256/" + "0" * 64], "targets": ["core-aten"]}, None)
+    inbox.post_cancel("mine-20261126-000000-abcd")
+    store.backend.write(f"{CANCELS}no job here.json", b"{}")
+    entries = {e.path.removeprefix(INBOX): e for e in inbox.entries()}
+    assert not entries["mine-20261126-000000-abcd.json"].cancel
+    cancel = entries["cancel/mine-20261126-000000-abcd.json"]
+    assert (cancel.cancel, cancel.job_id, cancel.spec) == (True, "mine-20261126-000000-abcd", None)
+    foreign = entries["cancel/no job here.json"]
+    assert foreign.cancel and foreign.job_id is None and "not a job id" in foreign.error
+    assert inbox.answer("mine-20261126-000000-abcd") is None
+    inbox.answer_cancel("mine-20261126-000000-abcd", {"job_id": "mine-20261126-000000-abcd", "units_stopped": 2})
+    assert inbox.answer("mine-20261126-000000-abcd") == {"job_id": "mine-20261126-000000-abcd", "units_stopped": 2}
+    assert inbox.answer("mine-20261126-000000-abcd") is None  # read once
+    store.backend.write(f"{ANSWERS}cancel-other-1.json", b"not json")
+    assert "not one it writes" in inbox.answer("other-1")["error"]
+    with pytest.raises(ValueError, match="not a job id"):
+        inbox.post_cancel("../escape")
 
 
 def test_the_heartbeat_says_whether_a_service_watches_the_store(store):
