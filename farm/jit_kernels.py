@@ -17,7 +17,6 @@ log = logging.getLogger("farm.jit_cache")
 PROBES_KIND = "farm-isa-probes-v1"  # Inductor's ISA probes, an entry per toolchain
 
 
-
 def record_loaded_kernels(cache: Any) -> None:
     """Note every kernel binary Inductor loads in this process (`cache._loaded`: its name under
     the cache dir → its path), for the writer's next FX graph entry."""

@@ -98,6 +98,7 @@ class EndpointSource(Source):
         self.name = name
         self.client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                            socket_timeout=READ_TIMEOUT_S)
+        self.user = self.client.connection_pool.connection_kwargs.get("username")  # None: the URL names none
         self._refused = redis.ResponseError
         self._sent: dict[str, bytes] = {}  # kernel name → its blob in the store, once its bytes went
         try:
@@ -109,16 +110,14 @@ class EndpointSource(Source):
             self.failed(e)
             return
         if role != b"write":  # else every put is refused, and a reader's value cuts its connection
-            user = self.client.connection_pool.connection_kwargs.get("username")
-            raise ValueError(f"use_farm_cache: write=True, but {name} lets user {user!r} only {role.decode()}; "
+            raise ValueError(f"use_farm_cache: write=True, but {name} lets user {self.user!r} only {role.decode()}; "
                              f"give a user of role write in the server's tokens file, or leave write unset to read")
 
     def _refused_because(self, error: Exception) -> str:
-        user = self.client.connection_pool.connection_kwargs.get("username")
-        if not user:
+        if not self.user:
             return (f"use_farm_cache: {self.name} asks for a user ({error}); give url= as "
                     f"redis://NAME:TOKEN@HOST:PORT with a user of the server's tokens file")
-        return (f"use_farm_cache: {self.name} refused user {user!r} ({error}); check NAME:TOKEN in url= against "
+        return (f"use_farm_cache: {self.name} refused user {self.user!r} ({error}); check NAME:TOKEN in url= against "
                 f"the server's tokens file (farm cache-serve --tokens)")
 
     def entry(self, key: bytes) -> tuple[bytes, bytes, dict[str, bytes]] | None:

@@ -36,9 +36,10 @@ def renice(pid: int, niceness: int) -> None:
     its process group; PRIO_PGRP sets them all (PRIO_PROCESS would set one thread). The child
     is also its own session (as is a gang's waiting rank: scheduler/gang_actor.py), which
     Linux's autogroup scheduling (on by default, /proc/sys/kernel/sched_autogroup_enabled) makes
-    a group that shares the CPU with other sessions by the group's niceness alone: a thread's own niceness weighs only against the
-    threads of its session. So the session's is set too, or a nightly's children would take
-    as much CPU as an interactive job's, each in a session of its own."""
+    a group that shares the CPU with other sessions by the group's niceness alone: a thread's
+    own niceness weighs only against the threads of its session. So the session's is set too,
+    or a nightly's children would take as much CPU as an interactive job's, each in a session
+    of its own."""
     try:
         os.setpriority(os.PRIO_PGRP, os.getpgid(pid), niceness)
         autogroup = Path(f"/proc/{pid}/autogroup")
