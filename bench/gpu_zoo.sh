@@ -17,6 +17,13 @@
 # passed (335 s); use_farm_cache's writer still built Inductor's ISA probes for its GPU step (55 s of
 # its 80 s), naming its CPU build command for every entry. Named only for an entry that holds CPU
 # kernels (a second call): cold 32.5 s, writer 26.2 s, reader 23.1 s.
+# 2026-11-27 on a lent H200 (540 s, then stopped): zoo 147 s (4 compiled, 1.8-3.0x eager), autotune
+# 83 s (max_autotune 3.5x), training steps warm/cold 0.92 (inductor-cache:cuda) and 1.07
+# (aot-compile:cuda) against the goal of 0.2 with every graph a hit: on a GPU the first steps'
+# time is not compiling (train_warm.py now prints each side's phases); use_farm_cache processes
+# cold 19.9 s, writer 20.0 s, reader 21.3 s (steps 2.7, 3.2, 1.4 s; about 10 s of each process was
+# outside its imports, set-up and step: jit_step.py now prints until_here_s). The GPU tests had run
+# one of 5 tests when stopped.
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
@@ -38,7 +45,9 @@ mkdir -p "$out"
 final=$(cd "$out" && pwd)
 out=$work/logs
 mkdir -p "$out"
-exec > >(tee "$final/summary.txt") 2>&1
+# tee ignores the watchdog's TERM below: killed, it took the summary's end and logs.tgz with it
+# (2026-11-27's H200 run ended rc=141, SIGPIPE, with neither)
+exec > >(trap '' TERM; exec tee "$final/summary.txt") 2>&1
 finish() {  # a run stopped early leaves nothing running behind it, and its logs still come back
   kill $(jobs -p) 2>/dev/null
   tar czf "$final/logs.tgz" -C "$work" logs
@@ -53,7 +62,8 @@ export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton  # c
 "$py" -m farm zoo export "$work/zoo" > "$out/export.log" 2>&1 || { cat "$out/export.log"; exit 1; }
 other_cxx=${CXX:-}
 export CXX=/usr/bin/g++
-"$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/pytest.log" 2>&1 &
+# one xdist worker per test (the machine has 16 cores): on 2 (pyproject's -n 2) they had not ended in 540 s
+"$py" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 5 --durations=0 > "$out/pytest.log" 2>&1 &
 tests=$!
 
 echo "== zoo through $target, one process per model"

@@ -51,8 +51,10 @@ def child(side: str, program: str, store: str, target: str) -> None:
     from workers.check.inputs import input_sets
 
     device = "cuda" if is_cuda_isa(target.partition(":")[2]) else "cpu"
+    phases = {}  # where a process's time goes (on a GPU host the steps are not all of it)
     with kernels.counting_builds() as built:
         ep = torch.export.load(program)
+        phases["imports, load"] = time.perf_counter() - t0
         if side == "warm":
             from farm.client import warm_start
 
@@ -64,16 +66,19 @@ def child(side: str, program: str, store: str, target: str) -> None:
             model.compile()
         example, other = (s.to(device) for s in input_sets(ep, 1)[:2])
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        phases["setup"] = time.perf_counter() - t0 - phases["imports, load"]
         static = target.startswith("aot-compile")
-        for s in (example, example, example) if static else (example, other, example):
+        for i, s in enumerate((example, example, example) if static else (example, other, example)):
+            began = time.perf_counter()
             out = model(*s.args, **s.kwargs)
             out.float().sum().backward()
             opt.step()
             opt.zero_grad()
-        if device == "cuda":
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            phases[f"step {i + 1}"] = time.perf_counter() - began
         seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "builds": len(built), "steps": 3,
+    print(json.dumps({"seconds": seconds, "builds": len(built), "steps": 3, "phases": phases,
                       "fx_misses": counters["inductor"].get("fxgraph_cache_miss", 0),
                       "aot_misses": counters["aot_autograd"].get("autograd_cache_miss", 0)}))
 
@@ -139,6 +144,8 @@ def _compare(target: str, programs: list[Path], store: Path, root: Path) -> None
         cold_total, warm_total, warm_builds = cold_total + cold["seconds"], warm_total + warm["seconds"], warm_builds + warm["builds"]
         print(f"{program.stem:<15}{cold['seconds']:>9.2f}{cold['builds']:>13}{warm['seconds']:>9.2f}{warm['builds']:>13}"
               f"{str(warm['fx_misses']) + '/' + str(warm['aot_misses']):>22}{ratio:>11.3f}")
+        for side, timed in (("cold", cold), ("warm", warm)):
+            print(f"  {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in timed["phases"].items()))
     steps = "3 times at the example size" if target.startswith("aot-compile") else "example size, another size, example size"
     print(f"compared: the first 3 training steps (forward, backward, SGD step; {steps}) in fresh processes with "
           f"empty Inductor caches: plain `ep.module().compile()` (cold) against `warm_start` from the farm's "

@@ -5,7 +5,8 @@ JSON on its last line. Its remote caches come from the environment alone
 tests/test_remote_cache.py. With FARM_CACHE_STORE or FARM_CACHE_URL set, they are the farm's, through
 `use_farm_cache` (FARM_CACHE_WRITE=0: it only reads), and its counts are printed too; kernel
 builds are counted either way (workers/backends/kernels.py, counting_builds). FARM_STEP_DEVICE=cuda
-runs it on the GPU (bench/gpu_zoo.sh). It prints the seconds of its imports, of use_farm_cache and of the step."""
+runs it on the GPU (bench/gpu_zoo.sh). It prints the seconds of its imports, of use_farm_cache, of the step, and from its first line to its
+last (the rest of a timed process is the interpreter's start and exit)."""
 from __future__ import annotations
 
 import json
@@ -50,7 +51,8 @@ def main() -> None:
     print(json.dumps({"inductor": dict(counters["inductor"]), "aot_autograd": dict(counters["aot_autograd"]),
                       "grads": grads, "kernels_built": len(built), "seconds": round(seconds, 2),
                       "import_s": round(imported - BEGAN, 2), "farm_setup_s": round(setup_s, 2),
-                      "farm_steps_s": farm.setup_s if farm else None, "farm": farm.stats() if farm else None}))
+                      "farm_steps_s": farm.setup_s if farm else None, "farm": farm.stats() if farm else None,
+                      "until_here_s": round(time.perf_counter() - BEGAN, 2)}))
 
 
 if __name__ == "__main__":
