@@ -36,6 +36,7 @@ INBOX_MAX_BYTES = 1 << 20  # a job spec larger than this is refused unread
 TAKEN_PER_POLL = 64  # inbox entries one poll takes; the rest wait for the next
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,159}")
 RECORDS_KEPT = 200  # ended jobs' records kept
+ANSWERS_KEPT_S = 3600.0  # an answer no client read (it died, or gave up after its 30 s) goes after this
 ENDED_SHOWN = 50  # ended jobs `farm jobs` lists
 COUNTED = ("total", "compiled", "hit", "failed", "skipped", "retries")  # of a job's status, in `farm jobs`
 ACTIVE = ("queued", "running")
@@ -151,6 +152,19 @@ class ServiceInbox:
 
     def answer_cancel(self, job_id: str, said: dict[str, Any]) -> None:
         self.store.backend.write(f"{ANSWERS}cancel-{job_id}.json", json.dumps(said).encode())
+        self.prune_answers()
+
+    def prune_answers(self, older_than_s: float = ANSWERS_KEPT_S) -> None:
+        """Remove the answers no client read within `older_than_s` (by the store's clock, which
+        writes the mtimes: this one's answer just written is the newest)."""
+        found = list(self.store.backend.list_info(ANSWERS))
+        newest = max((i.mtime for i in found), default=0.0)
+        for info in found:
+            if info.mtime < newest - older_than_s:
+                try:
+                    self.store.backend.delete(info.path)
+                except StoreError as e:
+                    log.warning("unread service answer %s not removed (%s); the next answer tries again", info.path, e)
 
     def waiting(self, job_id: str) -> bool:
         return JOB_ID.fullmatch(job_id) is not None and self.store.backend.exists(f"{INBOX}{job_id}.json")

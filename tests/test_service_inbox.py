@@ -57,6 +57,19 @@ def test_a_cancel_goes_in_with_the_jobs_and_its_answer_comes_back_once(store):
         inbox.post_cancel("../escape")
 
 
+def test_an_answer_no_client_read_goes_once_it_is_old(store):
+    """A client that died (or gave up) leaves its answer unread: the service's next answers remove
+    it once an hour has passed, by the store's own clock, and never a fresh one."""
+    inbox = ServiceInbox(store)
+    inbox.answer_cancel("gone-20261126-000000-abcd", {"units_stopped": 1})
+    time.sleep(1.1)  # mtimes of S3 listings are whole seconds
+    inbox.answer_cancel("late-20261126-000000-abcd", {"units_stopped": 0})
+    assert len(list(store.backend.list(ANSWERS))) == 2  # neither is old
+    inbox.prune_answers(older_than_s=0.5)
+    assert list(store.backend.list(ANSWERS)) == [f"{ANSWERS}cancel-late-20261126-000000-abcd.json"]
+    assert inbox.answer("late-20261126-000000-abcd") == {"units_stopped": 0}
+
+
 def test_the_heartbeat_says_whether_a_service_watches_the_store(store):
     inbox = ServiceInbox(store)
     assert inbox.alive() is None
