@@ -103,7 +103,7 @@ class EndpointSource(Source):
         self._sent: dict[str, bytes] = {}  # kernel name → its blob in the store, once its bytes went
         try:
             self.client.ping()
-            role = self.client.execute_command("FARM.WHOAMI")[1] if write else b"write"
+            role = self._role() if write else b"write"
         except (redis.AuthenticationError, redis.ResponseError) as e:  # the first a ConnectionError to redis-py
             raise ValueError(self._refused_because(e)) from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -112,6 +112,21 @@ class EndpointSource(Source):
         if role != b"write":  # else every put is refused, and a reader's value cuts its connection
             raise ValueError(f"use_farm_cache: write=True, but {name} lets user {self.user!r} only {role.decode()}; "
                              f"give a user of role write in the server's tokens file, or leave write unset to read")
+
+    def _role(self) -> bytes:
+        """The user's role as the server says; `write` where the server is older than FARM.WHOAMI
+        (its puts are then refused one by one if the user only reads, as before the question)."""
+        import redis
+
+        try:
+            return self.client.execute_command("FARM.WHOAMI")[1]
+        except redis.ResponseError as e:
+            if "unknown command" not in str(e):
+                raise
+            log.warning("farm cache: %s is older than this client and cannot say whether user %r may write "
+                        "(it has no FARM.WHOAMI); writing, as asked: upgrade it to have a read user refused here",
+                        self.name, self.user)
+            return b"write"
 
     def _refused_because(self, error: Exception) -> str:
         if not self.user:

@@ -384,7 +384,8 @@ def test_a_tokens_file_that_cannot_be_used_is_refused_with_its_line(tmp_path):
 def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlives_an_endpoint_that_is_down(
         tokens, tmp_path, monkeypatch, caplog):
     """A wrong token, or a reader's given to write, is the caller's to fix: said as use_farm_cache
-    starts, without the token. A server that does not answer is an outage: said once, lookups are misses (torch compiles), and
+    starts, without the token (a server from before FARM.WHOAMI cannot say a reader's role: that is
+    logged, and the writer writes as asked). A server that does not answer is an outage: said once, lookups are misses (torch compiles), and
     it is asked again (every RETRY_S, here at once) until it answers."""
     from torch._inductor.remote_cache import RemoteFxGraphCache
 
@@ -404,6 +405,21 @@ def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlive
         assert use_farm_cache(url=f"redis://ci:{WRITER}@127.0.0.1:{port}", write=True).close() is None
     finally:
         server.stop()
+    older = _serve(str(tmp_path / "store"), tokens)  # a server from before FARM.WHOAMI: the role cannot be asked
+    answer = older._answer
+
+    async def before_whoami(args, session):
+        return await answer([b"FARM.WHOAMI-UNKNOWN", *args[1:]] if args[0].upper() == b"FARM.WHOAMI" else args, session)
+
+    monkeypatch.setattr(older, "_answer", before_whoami)
+    caplog.set_level(logging.WARNING, logger="farm.jit_cache")
+    try:
+        use_farm_cache(url=f"redis://alice:{READER}@127.0.0.1:{older.port}", write=True).close()  # writes, as asked
+        assert "older than this client and cannot say whether user 'alice' may write" in caplog.text
+        assert READER not in caplog.text
+    finally:
+        older.stop()
+        caplog.clear()
     monkeypatch.setattr(jit_sources, "RETRY_S", 0.0)
     caplog.set_level(logging.WARNING, logger="farm.jit_cache")
     cache = use_farm_cache(url=f"redis://alice:{READER}@127.0.0.1:{port}")  # nothing answers there now
