@@ -19,8 +19,9 @@
 # kernels (a second call): cold 32.5 s, writer 26.2 s, reader 23.1 s.
 # 2026-11-27 on a lent H200 (540 s, then stopped): zoo 147 s (4 compiled, 1.8-3.0x eager), autotune
 # 83 s (max_autotune 3.5x), training steps warm/cold 0.92 (inductor-cache:cuda) and 1.07
-# (aot-compile:cuda) against the goal of 0.2 with every graph a hit: on a GPU the first steps'
-# time is not compiling (train_warm.py now prints each side's phases); use_farm_cache processes
+# (aot-compile:cuda) against the goal of 0.2 with every graph a hit: warm_start asked a fresh child
+# which GPU it had (importing torch again), now its own CUDA (train_warm.py now prints each side's
+# phases, to tell what else there is); use_farm_cache processes
 # cold 19.9 s, writer 20.0 s, reader 21.3 s (steps 2.7, 3.2, 1.4 s; about 10 s of each process was
 # outside its imports, set-up and step: jit_step.py now prints until_here_s). The GPU tests had run
 # one of 5 tests when stopped.

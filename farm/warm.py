@@ -52,6 +52,14 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
     options, `values` or `shapes`); `modules` are imported before the program is read (those that
     register its output types, as the job's `modules` were). Raises WarmStartError on a miss, or when this process would
     have to compile (another toolchain, another CPU)."""
+    from workers.backends import cuda
+
+    with cuda.asked_in_this_process():  # its GPU is this process's: no child imports torch again to say which
+        return _warm_start(program, store, target, mode, options, weights, modules)
+
+
+def _warm_start(program: str | Path | ExportedProgram, store: str | Store | None, target: str, mode: str,
+                options: dict[str, Any] | None, weights: str, modules: list[str]) -> Any:
     from torch.export import ExportedProgram
 
     from farm.stores import open_store
@@ -70,7 +78,10 @@ def warm_start(program: str | Path | ExportedProgram, store: str | Store | None 
         raise WarmStartError(str(e)) from e
     s = open_store(store)
     identity = program_identity(ep, weights_by_value=t.weights == "values")
-    components = key_components(identity, backend.target_components(t), t.options_dict, backend.toolchain(t))
+    try:
+        components = key_components(identity, backend.target_components(t), t.options_dict, backend.toolchain(t))
+    except LoweringError as e:  # a GPU target in a process without one
+        raise WarmStartError(f"cannot start {name} from the farm's {t.label} artifact: {e}") from e
     key = key_of(components)
     manifest, incomplete = s.complete_manifest(key)  # its signature is checked here where the store requires one
     if incomplete:

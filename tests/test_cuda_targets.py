@@ -151,6 +151,27 @@ def test_in_process_a_cuda_target_on_a_host_without_a_gpu_fails_with_the_reason(
     assert all(r.retryable and "lower" not in r.timings for r in outcome.results)
 
 
+def test_warm_start_asks_its_own_process_for_the_gpu_and_says_why_it_has_none(zoo_dir, tmp_path, monkeypatch):
+    """A training process that warm-starts a `:cuda` artifact is on its GPU anyway: which GPU it has
+    is asked of its own CUDA, not of a child that imports torch again (5-10 s on a GPU host, before
+    every first step: bench/gpu_zoo.sh); without one, the error says so, naming the target."""
+    from farm.client import WarmStartError, warm_start
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a child was started to ask for the GPU: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(cuda.subprocess, "run", no_child)
+    with pytest.raises(WarmStartError) as refused:
+        warm_start(zoo_dir / "mlp.pt2", store=str(tmp_path / "store"), target="inductor-cache:cuda")
+    said = str(refused.value)
+    assert "inductor-cache:cuda+train" in said and "this process sees no CUDA GPU" in said, said
+    assert "name one, e.g. inductor-cache:sm_90" in said
+    cuda.forget()
+    with pytest.raises(AssertionError, match="a child was started"):  # outside warm_start a worker asks a child
+        cuda.own_gpu()
+    cuda.forget()
+
+
 def test_a_gpu_that_fails_its_check_after_a_crash_gets_no_new_sandbox(monkeypatch):
     def broken(*args, **kwargs):
         raise cuda.GpuUnavailable("GPU 0 (NVIDIA H100) computed nan for a known sum (1047552)")

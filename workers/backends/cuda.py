@@ -6,10 +6,15 @@ The worker process never initialises CUDA itself: a short-lived child answers (`
 a wedged GPU or a driver fault can only hang or kill that child. The child also runs a tiny
 kernel and checks its result, which is how a worker tells, after a sandbox crashed on the
 GPU, whether the GPU is still usable before it runs the next unit there.
+
+A process that trains or serves on its GPU (`warm_start`) asks its own CUDA instead
+(`asked_in_this_process`): a child would import torch again, 5-10 s on a GPU host, before
+every first step.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import functools
 import json
@@ -117,6 +122,18 @@ def probe(timeout_s: float = PROBE_TIMEOUT_S) -> list[Gpu]:
 
 
 @functools.cache
+def _this_process() -> Gpu | GpuUnavailable:
+    import torch
+
+    if not torch.cuda.is_available():
+        return GpuUnavailable(f"this process sees no CUDA GPU (torch {torch.__version__}, "
+                              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return Gpu(name=p.name, major=p.major, minor=p.minor, memory_bytes=p.total_memory,
+               multiprocessors=p.multi_processor_count, uuid=str(getattr(p, "uuid", "")))
+
+
+@functools.cache
 def _own() -> Gpu | GpuUnavailable:
     try:
         return probe()[0]  # Ray makes a worker's GPU its first visible one
@@ -124,9 +141,25 @@ def _own() -> Gpu | GpuUnavailable:
         return e
 
 
+_THIS_PROCESS = contextvars.ContextVar("farm_gpu_this_process", default=False)
+
+
+@contextlib.contextmanager
+def asked_in_this_process() -> Iterator[None]:
+    """Inside, `own_gpu` is the GPU this process uses, asked of its own CUDA (which it initialises),
+    not of a fresh child: for a process that imported torch to run on the GPU anyway. Never in a
+    sandbox's zygote, whose forked children could then not use CUDA."""
+    token = _THIS_PROCESS.set(True)
+    try:
+        yield
+    finally:
+        _THIS_PROCESS.reset(token)
+
+
 def own_gpu() -> Gpu:
-    """This worker's GPU (probed once, and again after `forget`); raise GpuUnavailable."""
-    found = _own()
+    """This worker's GPU (probed once, and again after `forget`); raise GpuUnavailable. Inside
+    `asked_in_this_process`, this process's current CUDA device."""
+    found = _this_process() if _THIS_PROCESS.get() else _own()
     if isinstance(found, GpuUnavailable):
         raise found
     return found

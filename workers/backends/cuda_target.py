@@ -56,7 +56,7 @@ class CudaTarget:
         try:
             return cuda.own_gpu().arch
         except cuda.GpuUnavailable as e:
-            raise LoweringError(f"target {target.label} means this worker's GPU architecture, and it has none ({e}); "
+            raise LoweringError(f"target {target.label} means the GPU architecture here, and there is none ({e}); "
                                 f"name one, e.g. {self.name}:sm_90", retryable=True) from None
 
     def device_components(self, target: Target) -> dict[str, Any]:
