@@ -74,6 +74,12 @@ for model in mlp cnn encoder_block gpt; do
   "$py" -m farm compile "$work/zoo/$model.pt2" -t "$target" --store "$store" > "$out/compile_$model.log" 2>&1 &
   zoo+=($!)
 done
+# meanwhile, mlp with one compile thread: by default each unit's Inductor starts a pool of one
+# process per core (16 there) that imports torch, for the few Triton kernels of a zoo model; a
+# unit holds one CPU in Ray (2026-11-27 on an H200: 60-72 s of lowering per zoo model)
+TORCHINDUCTOR_COMPILE_THREADS=1 "$py" -m farm compile "$work/zoo/mlp.pt2" -t "$target" --store "$work/one-thread" \
+  > "$out/one_thread.log" 2>&1 &
+zoo+=($!)
 if [[ -n $other_cxx && $other_cxx != /usr/bin/g++ ]]; then  # meanwhile, mlp with the host's own CXX
   CXX=$other_cxx "$py" -m farm compile "$work/zoo/mlp.pt2" -t "$target" --store "$work/other-cxx" \
     > "$out/other_cxx.log" 2>&1 &
@@ -82,6 +88,8 @@ fi
 wait "${zoo[@]}"
 echo "zoo wall: $(( $(date +%s) - start )) s"
 "$py" bench/gpu_report.py "$store" 2>&1 | tee "$out/zoo.txt"
+echo "== mlp with one compile thread (TORCHINDUCTOR_COMPILE_THREADS=1), beside the zoo"
+"$py" bench/gpu_report.py "$work/one-thread" 2>&1 | tee "$out/one_thread.txt"
 if [[ -d $work/other-cxx ]]; then
   echo "== mlp with CXX=$other_cxx"
   "$py" bench/gpu_report.py "$work/other-cxx" 2>&1 | tee "$out/other_cxx.txt"
