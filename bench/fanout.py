@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+PROJECT = Path(__file__).resolve().parents[1]
 SERIAL = """
 import json, sys
 from scheduler.spec import parse_job
@@ -76,7 +77,7 @@ def _probe_host(cache: Path) -> None:
     cluster starts (in a fresh process: this one keeps the first answer it got, for another dir)."""
     subprocess.run([sys.executable, "-c", "from workers.backends import offered_resources; offered_resources(1)"],
                    check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)},
-                   cwd=Path(__file__).resolve().parents[1])
+                   cwd=PROJECT)
 
 
 def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
@@ -86,17 +87,16 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
     made them in its own when its cluster started (like for like); without, the serial side makes
     them in its window, as this bench has always measured it. With `warm_up`, a job of those
     graphs ran in that cache first (in another process, its own store), as on the served service."""
-    project = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache")}
     if probed:
         _probe_host(root / "cache")
     if warm_up:
         subprocess.run([sys.executable, "-c", SERIAL.replace("STORE", repr(str(root / "store-warm-up"))),
-                        ",".join(targets), *warm_up], check=True, env=env, cwd=project, stdout=subprocess.DEVNULL)
+                        ",".join(targets), *warm_up], check=True, env=env, cwd=PROJECT, stdout=subprocess.DEVNULL)
     code = SERIAL.replace("STORE", repr(str(root / "store")))
     t0, cpu0 = time.perf_counter(), _busy_cpu()
     done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
-                          cwd=project, stdout=subprocess.PIPE, text=True)
+                          cwd=PROJECT, stdout=subprocess.PIPE, text=True)
     return time.perf_counter() - t0, _busy_cpu() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     isas = args.isa or ["avx2", "x86-64"]
     targets = [f"aoti-cpu:{i}" for i in isas]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(PROJECT))
     from bench.scratch import scratch_dir
 
     root = scratch_dir("farm-bench-")
