@@ -23,6 +23,7 @@ from pydantic import (
 
 from scheduler.fair import DEFAULT_PRIORITY, Priority
 from workers.autotune.space import DEFAULT_SPACE, resolve_space
+from workers.backends.option_policy import options_problems
 from workers.unit import BenchPolicy, Mode, Unit, UnitLimits, VerifyPolicy
 
 RETRIES = 2  # re-queues of a unit whose worker died, unless the job or the command line says otherwise
@@ -39,6 +40,16 @@ def _plain_name(v: str) -> str:
 
 
 PlainName = Annotated[str, AfterValidator(_plain_name)]
+
+
+def _allowed_options(v: dict[str, Any]) -> dict[str, Any]:
+    problems = options_problems(v)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return v
+
+
+InductorOptions = Annotated[dict[str, Any], AfterValidator(_allowed_options)]  # workers/backends/option_policy.py
 
 
 class _Strict(BaseModel):
@@ -107,7 +118,7 @@ class GangSpec(_Strict):
 
 class CandidateSpec(_Strict):
     name: str
-    options: dict[str, Any] = {}
+    options: InductorOptions = {}
 
 
 class AutotuneSpec(_Strict):
@@ -143,7 +154,7 @@ class TargetSpec(_Strict):
     isa: str | None = None
     mode: Mode = Field("inference", description="inference: the forward only; train: forward and backward of a "
                                                 "training step (inductor-cache, aot-compile)")
-    options: dict[str, Any] = {}
+    options: InductorOptions = {}
     timeout_s: float | None = Field(None, gt=0, description="overrides limits.timeout_s for this target's units")
     autotune: AutotuneSpec | None = Field(None, description="compile candidates in parallel and keep the fastest")
 

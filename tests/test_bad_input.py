@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from scheduler.spec import parse_job
+from scheduler.spec import SpecError, parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from storage.results import read_results
@@ -97,3 +97,50 @@ def test_invalid_job_file_names_the_field(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "farm", "run", str(job)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"{job}: the job spec is invalid" in proc.stderr and "verify.atol" in proc.stderr
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"cpp.cxx": [None, "/bin/false"]}, "cpp.cxx: may only be a number, a boolean or null"),
+    ({"aot_inductor.output_path": "/tmp/torchinductor_nobody/x.so"}, "aot_inductor.output_path: may only be"),
+    ({"aot_inductor.custom_op_libs": ["evil.so"]}, "aot_inductor.custom_op_libs: may only be"),
+    ({"trace.debug_dir": "/tmp"}, "trace.debug_dir: may only be"),
+    ({"aot_inductor.compile_wrapper_opt_level": "specs=evil"}, "must match 'O[0-3sgz]?|Ofast', got 'specs=evil'"),
+    ({"cpp.simdlen": 512}, "cpp.simdlen: is set by the target's ISA"),
+    ({"_fuse_ddp_communication_passes": 1}, "is not a public Inductor option"),
+])
+def test_options_that_name_programs_files_or_flags_are_refused_as_the_job_loads(options, says):
+    """A job sets tuning knobs, never the compiler, a library to load or a path to write (into the
+    node's Inductor cache, say, that later jobs' children build with): refused before anything runs."""
+    spec = {"graphs": ["a.pt2"], "targets": [{"backend": "aoti-cpu", "options": options}]}
+    with pytest.raises(SpecError) as refused:
+        parse_job(spec, "job.yaml")
+    assert "job.yaml: the job spec is invalid" in str(refused.value) and "targets.0.options" in str(refused.value)
+    assert says in str(refused.value)
+    candidate = {"graphs": ["a.pt2"], "targets": [{"backend": "aoti-cpu", "autotune": {
+        "candidates": ["default", {"name": "mine", "options": options}]}}]}
+    with pytest.raises(SpecError, match="targets.0.autotune.candidates.1.CandidateSpec.options"):
+        parse_job(candidate, "job.yaml")
+
+
+def test_tuning_options_and_the_farms_presets_still_load():
+    spec = {"graphs": ["a.pt2"], "targets": [
+        {"backend": "aoti-cpu", "options": {"max_autotune": True, "freezing": True, "cpp.threads": 1,
+                                            "aot_inductor.compile_wrapper_opt_level": "O2"}},
+        {"backend": "aoti-cpu", "autotune": {}},  # every CPU preset
+        {"backend": "aoti-cuda", "options": {"max_autotune_gemm_backends": "ATEN,TRITON"}, "autotune": {}}]}
+    job = parse_job(spec, "job.yaml")
+    assert job.targets[0].options["cpp.threads"] == 1 and len(job.targets[1].space()) > 1
+
+
+def test_the_cli_refuses_a_job_that_sets_the_compiler(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent("""
+        graphs: [a.pt2]
+        targets: [{backend: aoti-cpu, options: {cpp.cxx: /usr/bin/env}}]
+    """))
+    proc = subprocess.run([sys.executable, "-m", "farm", "submit", str(job), "--store", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{job}: the job spec is invalid" in proc.stderr and "targets.0.options" in proc.stderr
+    assert "cpp.cxx" in proc.stderr and "CXX" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").rglob("*.json"))  # nothing was submitted

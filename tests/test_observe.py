@@ -133,13 +133,23 @@ def test_fetch_explain_and_trace_take_the_prefix_tables_print(api_session, tmp_p
     assert "addmm" in report and "gelu" in report  # the MLP's operators, as Inductor saw them
 
 
-def test_a_failed_lowering_keeps_its_trace(zoo_dir, tmp_path):
-    """g++ replaced by `false`: the lowering gets as far as the C++ compile and fails there."""
+def test_a_failed_lowering_keeps_its_trace(zoo_dir, tmp_path, monkeypatch):
+    """The worker's CXX (a job may not name the compiler) is g++ that refuses to link: the lowering
+    gets as far as the C++ compile and fails there. The scalar target needs no ISA probe (a link)."""
     store = str(tmp_path / "store")
-    bad = {"backend": "aoti-cpu", "options": {"cpp.cxx": [None, "/bin/false"]}}
-    run = client.run({"name": "broken", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": [bad]}, store)
+    tools = tmp_path / "tools"  # on PYTHONPATH, so the jail binds it in (read-only)
+    tools.mkdir(mode=0o755)
+    cxx = tools / "g++-that-cannot-link"
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -shared ] && { echo "cannot link" >&2; exit 1; }; done\n'
+                   'exec g++ "$@"\n')
+    cxx.chmod(0o755)
+    tools.chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tools), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("CXX", str(cxx))
+    run = client.run({"name": "broken", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu:x86-64"]}, store)
     (row,) = run.results().to_pylist()
     assert row["status"] == "failed" and row["trace_digest"], row["error"]
+    assert "cannot link" in row["error"] or "CppCompileError" in row["error"], row["error"]
     out = farm("trace", row["key"][:12], "--out", str(tmp_path / "trace"), "--store", store)
     assert "failed" in out
     report = " ".join(p.read_text(errors="replace") for p in (tmp_path / "trace" / "report").rglob("*.txt"))
