@@ -52,6 +52,16 @@ def _allowed_options(v: dict[str, Any]) -> dict[str, Any]:
 InductorOptions = Annotated[dict[str, Any], AfterValidator(_allowed_options)]  # workers/backends/option_policy.py
 
 
+def _module_name(v: str) -> str:
+    if not all(part.isidentifier() for part in v.split(".")):
+        raise ValueError(f"{v!r} is not a module name: give dotted names as `import` takes them "
+                         "(e.g. transformers.modeling_outputs), never a path")
+    return v
+
+
+ModuleName = Annotated[str, AfterValidator(_module_name)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,7 +69,7 @@ class _Strict(BaseModel):
 class GraphSpec(_Strict):
     path: str = Field(description="a .pt2 written by torch.export.save: a path (relative to the job file) or s3:// URI")
     name: str | None = None
-    modules: list[str] = []
+    modules: list[ModuleName] = []
 
     @model_validator(mode="before")
     @classmethod
@@ -86,7 +96,7 @@ class GangSpec(_Strict):
                            "gloo on CPU and NCCL on GPU, so its ranks are all one or all the other")
     collective_timeout_s: float = Field(
         60.0, gt=0, description="a compiler collective not answered by every rank within this fails the gang")
-    modules: list[str] = []
+    modules: list[ModuleName] = []
 
     @model_validator(mode="after")
     def _one_program_per_rank(self) -> "GangSpec":
@@ -207,7 +217,8 @@ class JobSpec(_Strict):
     gangs: list[GangSpec] = Field([], description="multi-rank models, compiled as gangs (one program per rank)")
     graphs: list[GraphSpec] = Field([], validate_default=True)
     targets: list[TargetSpec] = Field(min_length=1)
-    modules: list[str] = Field([], description="modules to import before loading any program (e.g. pytree registrations)")
+    modules: list[ModuleName] = Field([], description="modules to import before loading any program (e.g. pytree "
+                                                       "registrations)")
     verify: VerifySpec = VerifySpec()
     benchmark: BenchmarkSpec = BenchmarkSpec()
     limits: LimitsSpec = LimitsSpec()

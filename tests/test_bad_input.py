@@ -144,3 +144,17 @@ def test_the_cli_refuses_a_job_that_sets_the_compiler(tmp_path):
     assert f"{job}: the job spec is invalid" in proc.stderr and "targets.0.options" in proc.stderr
     assert "cpp.cxx" in proc.stderr and "CXX" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").rglob("*.json"))  # nothing was submitted
+
+
+@pytest.mark.parametrize("field", ["modules", "graphs.0.modules"])
+def test_modules_are_module_names_never_paths(field):
+    spec = {"graphs": ["a.pt2"], "targets": ["aoti-cpu"]}
+    bad = ["tests.fixtures.custom_output", "../../tmp/evil"]
+    if field == "modules":
+        spec["modules"] = bad
+    else:
+        spec["graphs"] = [{"path": "a.pt2", "modules": bad}]
+    with pytest.raises(SpecError) as refused:
+        parse_job(spec, "job.yaml")
+    assert f"{field}.1: Value error, '../../tmp/evil' is not a module name" in str(refused.value)
+    assert f"{field}.0" not in str(refused.value)
