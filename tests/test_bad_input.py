@@ -143,7 +143,7 @@ def test_the_cli_refuses_a_job_that_sets_the_compiler(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"{job}: the job spec is invalid" in proc.stderr and "targets.0.options" in proc.stderr
     assert "cpp.cxx" in proc.stderr and "CXX" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").rglob("*.json"))  # nothing was submitted
+    assert not (tmp_path / "s").exists() or not list(store_from_uri(str(tmp_path / "s")).manifest_keys())
 
 
 @pytest.mark.parametrize("field", ["modules", "graphs.0.modules"])
@@ -158,3 +158,20 @@ def test_modules_are_module_names_never_paths(field):
         parse_job(spec, "job.yaml")
     assert f"{field}.1: Value error, '../../tmp/evil' is not a module name" in str(refused.value)
     assert f"{field}.0" not in str(refused.value)
+
+
+def test_a_unit_made_without_the_spec_is_held_to_the_same_options_rule(zoo_dir, tmp_path):
+    """A worker refuses such options too: a unit that reached it some other way than a parsed
+    spec fails in its lowering with the rule's reason, and nothing is published."""
+    from dataclasses import replace
+
+    from scheduler.plan import plan
+    from workers.pipeline import run_unit
+
+    store = store_from_uri(str(tmp_path / "store"))
+    (unit,) = plan(parse_job({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}, "job.yaml"), store)
+    unit = replace(unit, target=replace(unit.target, options=(("aot_inductor.output_path", "/tmp/elsewhere.so"),)))
+    result = run_unit(unit, store)
+    assert result.status == "failed" and result.failed_in == "lower" and not result.retryable
+    assert "options refused: aot_inductor.output_path: may only be a number" in result.error
+    assert list(store.manifest_keys()) == []

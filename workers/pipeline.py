@@ -36,6 +36,7 @@ from storage.tuning import get_measurements, put_measurements
 from workers import host_check
 from workers.autotune.share import SharedAutotune, autotunes, entries_from, fingerprint_of
 from workers.backends import Backend, LoweringError, cxx, jit_entries, resolve
+from workers.backends.option_policy import options_problems
 from workers.lookup import Found, UnitFailed, fill_hit, find, parse_identity
 from workers.sandbox import jail
 from workers.sandbox.env import as_childrens_cache
@@ -261,6 +262,9 @@ def lower_unit(ctx: UnitContext) -> Lowered:
     """Lower the loaded program in the sandbox, sharing autotune timings with the farm."""
     unit, store, log = ctx.unit, ctx.store, ctx.log
     with ctx.phase("lower"):
+        refused = options_problems(unit.target.options_dict)  # the job spec refused them already; a unit made
+        if refused:  # some other way (a store's job record, a client of its own) is held to the same rule
+            raise LoweringError(f"options refused: {'; '.join(refused)}")
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
         if shared:
