@@ -132,6 +132,17 @@ def test_tuning_options_and_the_farms_presets_still_load():
     assert job.targets[0].options["cpp.threads"] == 1 and len(job.targets[1].space()) > 1
 
 
+def test_every_preset_of_the_farms_autotune_spaces_passes_the_rule():
+    """The worker holds merged options (target + candidate) to the rule: a preset that broke it
+    would fail every unit that tried it."""
+    from workers.autotune.space import PRESETS
+    from workers.backends.option_policy import options_problems
+
+    assert PRESETS and all(presets for presets in PRESETS.values())
+    assert {(backend, name): options_problems(options) for backend, presets in PRESETS.items()
+            for name, options in presets.items() if options_problems(options)} == {}
+
+
 def test_the_cli_refuses_a_job_that_sets_the_compiler(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(textwrap.dedent("""
