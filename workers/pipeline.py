@@ -262,8 +262,10 @@ def lower_unit(ctx: UnitContext) -> Lowered:
     """Lower the loaded program in the sandbox, sharing autotune timings with the farm."""
     unit, store, log = ctx.unit, ctx.store, ctx.log
     with ctx.phase("lower"):
-        refused = options_problems(unit.target.options_dict)  # the job spec refused them already; a unit made
-        if refused:  # some other way (a store's job record, a client of its own) is held to the same rule
+        # a parsed job spec refused such options already; a unit built in code (a gang's candidates,
+        # a caller of run_unit) meets the same rule before anything of Inductor's sees them
+        refused = options_problems(unit.target.options_dict)
+        if refused:
             raise LoweringError(f"options refused: {'; '.join(refused)}")
         log.note(f"lowering with {ctx.backend.name} options={unit.target.options_dict}")
         shared = SharedAutotune(store, ctx.backend.device_fingerprint(unit.target)) if autotunes(unit.target) else None
