@@ -197,6 +197,8 @@ def test_each_job_gets_a_fresh_child_forked_by_the_same_zygote(tmp_path, zoo_dir
             for stray, pid in strays:  # gone with the job's child: nothing of it meets the next job's
                 assert _gone(pid), f"process {pid}, left in the jail, outlived its job's child"
                 stray.wait(timeout=30)
+            # and so is its HOME, which the next job's child (same jail, same uid) could open by name
+            assert [h.name for h in sandbox.root().glob("home-*")] == [f"home-{sandbox.starts - 1}"]
         sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
                      program=shutil.copy(zoo_dir / "mlp.pt2", workdir))  # a third job
         zygote = _parent(sandbox.pid)
@@ -255,16 +257,17 @@ def test_a_cuda_child_whose_zygote_initialized_cuda_starts_a_fresh_python(zoo_di
 
     unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cuda"), program=None)
     with _PoisonedZygoteSandbox() as sandbox, sandbox.workdir() as workdir:
+        started = []
         for job in range(2):
             reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, device="cuda",
                                  unit=unit, program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
             assert len(reply["identity"]["program"]) == 64
             zygote = _parent(sandbox.pid)
             assert "workers.sandbox.child" in Path(f"/proc/{sandbox.pid}/cmdline").read_text()
+            started += [log.read_text() for log in sandbox.root().glob("home-*/.startup.log")]  # this job's child's
             sandbox.renew()
         environ = Path(f"/proc/{sandbox._zygote_pid()}/environ").read_bytes().split(b"\0")
         assert b"PYTORCH_NVML_BASED_CUDA_CHECK=1" in environ and sandbox._zygote_pid() == zygote
-        started = [log.read_text() for log in sandbox.root().glob("home-*/.startup.log")]
         assert len(started) == 2 and all("starts a fresh Python" in text for text in started), started
 
 

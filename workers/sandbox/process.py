@@ -313,6 +313,9 @@ class Sandbox:
         if self._replies is not None:
             os.close(self._replies)
         self._requests, self._replies, self._spawned = None, None, None
+        if self._startup_log is not None and self._startup_log.parent.name.startswith("home-"):
+            # its HOME goes with it: the next job's child, in the same jail, could open it by name
+            shutil.rmtree(self._startup_log.parent, ignore_errors=True)
 
     def _check_gpu(self) -> None:
         """After a CUDA child crashed or hung: is the GPU still usable? Refuse to start one on it if not."""
@@ -332,8 +335,8 @@ class Sandbox:
         try:
             ready = self._read_reply(self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
-            self._kill()
             output = "".join(_read_text(log) for log in (self._zygote_log, self._startup_log) if log)
+            self._kill()  # (which removes the child's HOME, its start-up log with it)
             raise SandboxFailed(f"the sandbox did not start ({e})", output, retryable=True) from None
         now = time.monotonic()
         self.cost.start_s += now - self._spawned
