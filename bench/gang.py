@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,7 @@ def main() -> None:
     from tests.gang_models import shards
 
     from bench.scratch import scratch_dir
+    from bench.trials import in_turn
 
     root = scratch_dir("farm-bench-gang-")
     (graph,) = export_zoo(root / "zoo", [args.model])
@@ -93,9 +95,8 @@ def main() -> None:
     _run(single_job, root, "warm-up")  # not counted: the machine's first torch import and g++ run
     pairs, lowering = [], []
     for i in range(args.pairs):
-        sides = {}
-        for name, job in ([("single", single_job), ("gang", gang_job)])[::1 if i % 2 == 0 else -1]:
-            sides[name] = _run(job, root, f"{name}-{i}")
+        sides = in_turn(i, {"single": partial(_run, single_job, root, f"single-{i}"),
+                            "gang": partial(_run, gang_job, root, f"gang-{i}")})
         assert sides["single"]["statuses"] == ["compiled"], sides["single"]
         assert sorted(sides["gang"]["statuses"]) == ["compiled"] + ["hit"] * (args.ranks - 1), sides["gang"]
         assert sides["gang"]["early"], "rank 0 of identical ranks did not compile while the others started"

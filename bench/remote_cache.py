@@ -54,10 +54,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.trials import in_turn  # noqa: E402  (the repo's root is on sys.path now)
 
 STEP = """
 import json, os, sys, time
@@ -142,11 +145,11 @@ def _four_ranks(args: argparse.Namespace, root: Path, store: Path) -> tuple[Path
 
 def _ranks_trial(args: argparse.Namespace, root: Path, i: int) -> tuple[dict, Path, list[dict]]:
     """One cold writer alone (the baseline) and four ranks at once, each on a store of its own,
-    the order swapped every other trial: (the cold process, the ranks' store, the ranks)."""
-    alone = lambda: _run(args, root, BENCH_FARM_STORE=str(root / f"store-one-{i}"), BENCH_FARM_WRITE="1")  # noqa: E731
-    one = alone() if i % 2 == 0 else None
-    store, ranks = _four_ranks(args, root, root / f"store-ranks-{i}")
-    return one or alone(), store, ranks
+    in turn: (the cold process, the ranks' store, the ranks)."""
+    done = in_turn(i, {"one": partial(_run, args, root, BENCH_FARM_STORE=str(root / f"store-one-{i}"),
+                                      BENCH_FARM_WRITE="1"),
+                       "ranks": partial(_four_ranks, args, root, root / f"store-ranks-{i}")})
+    return done["one"], *done["ranks"]
 
 
 def _stock(url: str) -> dict[str, str]:
@@ -210,10 +213,9 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
         try:
             time.sleep(0.5)
             _run(args, root, **_stock(f"redis://127.0.0.1:{port}"))  # fills
-            for trial in range(args.stock_trials):  # in turn, the order swapped every other trial
-                order = ("farm", "redis") if trial % 2 == 0 else ("redis", "farm")
-                done = {side: _run(args, root, **_stock(url["stock"] if side == "farm" else f"redis://127.0.0.1:{port}"))
-                        for side in order}
+            for trial in range(args.stock_trials):
+                done = in_turn(trial, {"farm": partial(_run, args, root, **_stock(url["stock"])),
+                                       "redis": partial(_run, args, root, **_stock(f"redis://127.0.0.1:{port}"))})
                 stock_pairs.append((done["farm"], done["redis"]))
         finally:
             redis.kill()

@@ -36,12 +36,14 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scratch import scratch_dir  # noqa: E402  (the repo's root is on sys.path now)
+from bench.trials import in_turn  # noqa: E402
 
 
 def _free_port() -> int:
@@ -100,13 +102,17 @@ def during(nightly: dict, interactive: dict, address: str) -> tuple[float, float
 
 def nightly_pairs(n: int, trials: list[tuple[list[Path], list[Path], Path]], alone: float, address: str) -> float:
     """Each trial: a nightly of n units alone and another with an interactive job during it
-    (graphs of their own); prints each trial's +% and the interactive job's ratio to `alone`,
-    and with more than one trial their medians. Returns the interactive ratio (median)."""
+    (graphs of their own), in turn (bench/trials.py); prints each trial's +% and the interactive
+    job's ratio to `alone`, and with more than one trial their medians. Returns the interactive
+    ratio (median)."""
     import statistics
 
     extra, ratios = [], []
     for t, (first, second, mine) in enumerate(trials, 1):
-        nightly_alone, nightly_with, during_s = _pair(f"nightly{n}-{t}", first, second, mine, address, t % 2 == 1)
+        done = in_turn(t - 1, {"alone": partial(timed, job(f"nightly{n}-{t}", first, "nightly"), address),
+                               "with": partial(during, job(f"nightly{n}-{t}b", second, "nightly"),
+                                               job("mine", [mine], "interactive"), address)})
+        nightly_alone, (nightly_with, during_s) = done["alone"], done["with"]
         extra.append(nightly_with / nightly_alone - 1)
         ratios.append(during_s / alone)
         label = f"nightly of {n} units" + (f", trial {t}" if len(trials) > 1 else "")
@@ -118,19 +124,6 @@ def nightly_pairs(n: int, trials: list[tuple[list[Path], list[Path], Path]], alo
         print(f"nightly of {n} units, {len(trials)} trials: with the interactive job {statistics.median(extra):+.1%} "
               f"(median; goal at most +10%); the interactive job {statistics.median(ratios):.2f}x alone (median)")
     return statistics.median(ratios)
-
-
-def _pair(name: str, first: list[Path], second: list[Path], mine: Path, address: str,
-          alone_first: bool) -> tuple[float, float, float]:
-    """The nightly alone (graphs `first`), the nightly with the interactive job (`second`, `mine`)
-    and the interactive job's time, run in the order asked: one run's nightlies got faster as it
-    went on (39.7, 37.3, 35.7 s), so trials swap the order every other time."""
-    if alone_first:
-        nightly_alone = timed(job(name, first, "nightly"), address)
-    nightly_with, during_s = during(job(f"{name}b", second, "nightly"), job("mine", [mine], "interactive"), address)
-    if not alone_first:
-        nightly_alone = timed(job(name, first, "nightly"), address)
-    return nightly_alone, nightly_with, during_s
 
 
 def cli_hit(graphs: list[Path], address: str, store: Path, env: dict, tmp: Path) -> dict[str, float]:
