@@ -23,7 +23,11 @@
 #   steps warm/cold 0.66 (inductor-cache:cuda) and 0.74 (aot-compile:cuda), with the warm first
 #   step 0.18-0.25 s against 5.0-5.5 s cold: loading the program (6 s, the imports it brings) and
 #   set-up (2.3-3.7 s) are most of either side; use_farm_cache cold 30.4 s. use_farm_cache now
-#   runs before the training steps.
+#   runs before the training steps. A profile of a warm process there then showed 2,299 of torch's
+#   modules compiled from source (10.5 s of its 14.6 s): that image's torch has no bytecode it can
+#   use, so every process paid it, on both sides of every ratio above. This script now keeps the
+#   bytecode in PYTHONPYCACHEPREFIX, as an installed torch would have it (the farm's jailed
+#   children still compile, in their zygote, once per worker).
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
@@ -59,6 +63,8 @@ trap finish EXIT
 trap 'echo "== stopped after ${GPU_ZOO_LIMIT_S:-540} s (GPU_ZOO_LIMIT_S): what was running did not end"; exit 124' USR1
 (sleep "${GPU_ZOO_LIMIT_S:-540}" && kill -USR1 $$ && pkill -TERM -P $$) 2>/dev/null &  # (a foreground step delays the trap)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPYCACHEPREFIX=$work/pycache  # written by the first process, read by the rest
+unset PYTHONDONTWRITEBYTECODE
 export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton  # cold: fresh caches
 
 "$py" -m farm zoo export "$work/zoo" > "$out/export.log" 2>&1 || { cat "$out/export.log"; exit 1; }
