@@ -67,18 +67,18 @@ class FarmCache:
     writes: bool
     counts: dict[str, int] = field(default_factory=dict)
     setup_s: dict[str, float] = field(default_factory=dict)  # use_farm_cache's own steps, timed (bench/gpu_zoo.sh)
-    _loaded: dict[str, str] = field(default_factory=dict)  # kernels this process loaded: name → path
-    _undo: list = field(default_factory=list)
-    _build_problem_said: bool = False
-    _probes_put: bool = False
-    _probes_key: bytes = b""  # named as use_farm_cache starts (within a compile, Inductor's settings differ)
-    leases: Any = None  # storage.leases.Leases, with store=: ranks that miss one key at once compile it once
-    wait_s: float = 3600.0
-    _held: dict = field(default_factory=dict)  # key → the lease this process holds while torch compiles it
-    _parts: dict = field(default_factory=dict)  # FX key → what torch hashed into it: {part: [hash, value]}
-    trust: Any = None  # storage.signing.Trust from this process's environment, read once (FARM_VERIFY_KEY)
-    _build_command: list[str] | None = None
-    _holding: dict = field(default_factory=dict)  # (thread, cache kind) → the key whose lease it holds
+    _loaded: dict[str, str] = field(default_factory=dict, repr=False)  # kernels this process loaded: name → path
+    _undo: list = field(default_factory=list, repr=False)
+    _build_problem_said: bool = field(default=False, repr=False)
+    _probes_put: bool = field(default=False, repr=False)
+    _probes_key: bytes = field(default=b"", repr=False)  # named as use_farm_cache starts (within a compile, Inductor's settings differ)
+    leases: Any = field(default=None, repr=False)  # storage.leases.Leases, with store=: ranks that miss one key at once compile it once
+    wait_s: float = field(default=3600.0, repr=False)
+    _held: dict = field(default_factory=dict, repr=False)  # key → the lease this process holds while torch compiles it
+    _parts: dict = field(default_factory=dict, repr=False)  # FX key → what torch hashed into it: {part: [hash, value]}
+    trust: Any = field(default=None, repr=False)  # storage.signing.Trust from this process's environment, read once (FARM_VERIFY_KEY)
+    _build_command: list[str] | None = field(default=None, repr=False)
+    _holding: dict = field(default_factory=dict, repr=False)  # (thread, cache kind) → the key whose lease it holds
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
@@ -122,6 +122,9 @@ def use_farm_cache(store: Any = None, url: str | None = None, *, write: bool | N
     if (store is None) == (url is None):
         raise ValueError("use_farm_cache: give store= (a store URI) or url= (redis://NAME:TOKEN@HOST:PORT of "
                          "`farm cache-serve`), one of them")
+    if url is not None and not url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"use_farm_cache: url={_without_token(url)!r} is not a `farm cache-serve` address: give "
+                         f"redis://NAME:TOKEN@HOST:PORT (rediss:// behind TLS), or store= for a store URI")
     import torch._functorch.config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor import remote_cache

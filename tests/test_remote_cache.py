@@ -398,7 +398,8 @@ def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlive
     try:
         for url, write, said in ((f"redis://alice:{WRITER}@127.0.0.1:{port}", None, "refused user 'alice'.*tokens file"),
                                  (f"redis://127.0.0.1:{port}", None, "asks for a user.*redis://NAME:TOKEN@HOST:PORT"),
-                                 (f"redis://alice:{READER}@127.0.0.1:{port}", True, "lets user 'alice' only read")):
+                                 (f"redis://alice:{READER}@127.0.0.1:{port}", True, "lets user 'alice' only read"),
+                                 (f"http://alice:{WRITER}@127.0.0.1:{port}", True, "not a `farm cache-serve` address")):
             with pytest.raises(ValueError, match=said) as refused:
                 use_farm_cache(url=url, write=write)
             assert WRITER not in str(refused.value) and READER not in str(refused.value)
