@@ -71,12 +71,15 @@ class FarmCache:
     _undo: list = field(default_factory=list, repr=False)
     _build_problem_said: bool = field(default=False, repr=False)
     _probes_put: bool = field(default=False, repr=False)
-    _probes_key: bytes = field(default=b"", repr=False)  # named as use_farm_cache starts (within a compile, Inductor's settings differ)
-    leases: Any = field(default=None, repr=False)  # storage.leases.Leases, with store=: ranks that miss one key at once compile it once
+    # named as use_farm_cache starts (within a compile, Inductor's settings differ)
+    _probes_key: bytes = field(default=b"", repr=False)
+    # storage.leases.Leases, with store=: ranks that miss one key at once compile it once
+    leases: Any = field(default=None, repr=False)
     wait_s: float = field(default=3600.0, repr=False)
     _held: dict = field(default_factory=dict, repr=False)  # key → the lease this process holds while torch compiles it
     _parts: dict = field(default_factory=dict, repr=False)  # FX key → what torch hashed into it: {part: [hash, value]}
-    trust: Any = field(default=None, repr=False)  # storage.signing.Trust from this process's environment, read once (FARM_VERIFY_KEY)
+    # storage.signing.Trust from this process's environment, read once (FARM_VERIFY_KEY)
+    trust: Any = field(default=None, repr=False)
     _build_command: list[str] | None = field(default=None, repr=False)
     _holding: dict = field(default_factory=dict, repr=False)  # (thread, cache kind) → the key whose lease it holds
 
