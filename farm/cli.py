@@ -5,6 +5,7 @@ import contextlib
 import enum
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -203,7 +204,21 @@ def resources(slots: Optional[int] = typer.Option(None, help="CPU compile worker
     except (jail.JailUnavailable, ValueError) as e:
         raise _fail(str(e)) from e
     typer.echo(f"sandbox: {jail.describe(isolation)}", err=True)  # stdout stays the resources, for ray start
+    _say_unusable_bytecode()
     typer.echo(json.dumps(offered_resources(slots or os.cpu_count() or 1)))
+
+
+def _say_unusable_bytecode() -> None:
+    """On stderr: torch's modules have no bytecode here that a process can use, so every sandbox
+    child (which never writes bytecode) compiles their sources again as it starts (seconds)."""
+    from workers.torch_files import torch_dir, unusable_bytecode
+
+    missing, where = unusable_bytecode(), torch_dir()
+    if missing:
+        typer.echo(f"python: torch's modules have no bytecode here ({where}: {', '.join(missing)}), so every "
+                   f"sandbox child, which never writes it, compiles their sources as it starts (10.5 s a "
+                   f"process on a GPU host seen so); compile them once, as the install's owner: "
+                   f"{sys.executable} -m compileall -q -j 0 {where}", err=True)
 
 
 def _job_handle(job_id: str, store: str) -> "client.JobHandle":

@@ -213,6 +213,31 @@ def test_farm_resources_says_how_children_are_isolated(monkeypatch):
     assert "not jailed: a plain child process (FARM_SANDBOX=process)" in CliRunner().invoke(app, ["resources"]).stderr
 
 
+
+def test_farm_resources_says_when_torch_has_no_bytecode_a_process_can_use(tmp_path, monkeypatch):
+    """A torch installed without bytecode has its sources compiled by every sandbox child as it
+    starts, since children never write bytecode (10.5 s a process on a lent GPU host): the node's
+    set-up says so, with the command that fixes it; with bytecode that matches, nothing."""
+    import py_compile
+
+    from typer.testing import CliRunner
+
+    from farm.cli import app
+    from workers import torch_files
+
+    fake = tmp_path / "torch"
+    for name in torch_files.BYTECODE_SAMPLE:
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_text("X = 1\n")
+    monkeypatch.setattr(torch_files, "torch_dir", lambda: fake)
+    said = CliRunner().invoke(app, ["resources"]).stderr
+    assert "torch's modules have no bytecode here" in said and f"-m compileall -q -j 0 {fake}" in said
+    for name in torch_files.BYTECODE_SAMPLE:
+        py_compile.compile(str(fake / name), doraise=True)
+    assert torch_files.unusable_bytecode() == [] and "bytecode" not in CliRunner().invoke(app, ["resources"]).stderr
+    (fake / "__init__.py").write_text("X = 2  # changed since it was compiled\n")
+    assert torch_files.unusable_bytecode() == ["__init__.py"]
+
 def test_a_warm_child_serves_one_job_and_its_tmp_is_wiped_between_units(zoo_dir, tmp_path):
     """A new job gets a fresh child (started when the last job ended); within a job, what a unit
     left in the child's private /tmp is gone before the next unit (looked at from the host,
