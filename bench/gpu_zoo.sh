@@ -63,7 +63,11 @@ trap finish EXIT
 trap 'echo "== stopped after ${GPU_ZOO_LIMIT_S:-540} s (GPU_ZOO_LIMIT_S): what was running did not end"; exit 124' USR1
 (sleep "${GPU_ZOO_LIMIT_S:-540}" && kill -USR1 $$ && pkill -TERM -P $$) 2>/dev/null &  # (a foreground step delays the trap)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONPYCACHEPREFIX=$work/pycache  # written by the first process, read by the rest
+# what the farm says of this host (its sandbox; torch's bytecode, with the host's own settings)
+"$py" -m farm resources 2>&1 >/dev/null | sed 's/^/host: /'
+# written by the first process, read by the rest, and kept for the next run, as an installed
+# torch keeps it (in $work, processes being stopped wrote it again after its removal)
+export PYTHONPYCACHEPREFIX=/tmp/farm-gpu-pycache
 unset PYTHONDONTWRITEBYTECODE
 export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton  # cold: fresh caches
 
