@@ -2,7 +2,8 @@
 
 Importing `torch.version` or anything under `torch._inductor` by name imports torch's package
 first (over a second of CPU) and, for Inductor, Dynamo (another second). A worker that only
-names keys and places work needs two strings from them, not torch: its sandbox child has torch."""
+names keys and places work needs two strings from them, not torch: its sandbox child has torch.
+Also whether torch's modules have bytecode a process here can use (`farm resources` says so)."""
 from __future__ import annotations
 
 import functools
