@@ -213,7 +213,8 @@ def _say_unusable_bytecode() -> None:
     child (which never writes bytecode) compiles their sources again as it starts (seconds)."""
     from workers.torch_files import torch_dir, unusable_bytecode
 
-    missing, where = unusable_bytecode(), torch_dir()
+    where = torch_dir()
+    missing = unusable_bytecode(where) if where else []
     if missing:
         typer.echo(f"python: torch's modules have no bytecode here ({where}: {', '.join(missing)}), so every "
                    f"sandbox child, which never writes it, compiles their sources as it starts (10.5 s a "

@@ -106,6 +106,7 @@ class Sandbox:
         self._gpu_suspect = False  # a CUDA child crashed or hung: check the GPU before the next one
         self._spawned: float | None = None  # when the child was started, until it says it is ready
         self._startup_log: Path | None = None
+        self._home: Path | None = None  # the current child's HOME, removed as it ends
         self._base: Path | None = None  # made when first needed: a plain hit never needs one
         self.starts = 0  # children started so far: one, unless units failed
         self.start_waited_s = 0.0  # how long the last call waited for its child to start
@@ -225,7 +226,7 @@ class Sandbox:
         self._replies = read
         self._exits = [code for code in self._exits if code is None] + [None]  # (children the zygote has yet to reap)
         self._started_for = (limits, device)
-        self._startup_log = startup_log
+        self._startup_log, self._home = startup_log, home
         self.starts += 1
 
     def _start_zygote(self, device: str, file_gb: float) -> None:
@@ -313,9 +314,9 @@ class Sandbox:
         if self._replies is not None:
             os.close(self._replies)
         self._requests, self._replies, self._spawned = None, None, None
-        if self._startup_log is not None and self._startup_log.parent.name.startswith("home-"):
-            # its HOME goes with it: the next job's child, in the same jail, could open it by name
-            shutil.rmtree(self._startup_log.parent, ignore_errors=True)
+        if self._home is not None:  # its HOME goes with it: the next job's child (same jail) could open it by name
+            shutil.rmtree(self._home, ignore_errors=True)
+            self._home = None
 
     def _check_gpu(self) -> None:
         """After a CUDA child crashed or hung: is the GPU still usable? Refuse to start one on it if not."""
