@@ -156,7 +156,7 @@ def submit(
 def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: int | None, detach: bool) -> bool:
     """Hand the job to the farm service that watches the store or runs on the cluster, if one does;
     follow it unless detached."""
-    from farm.console import console, out, status_line, watch_status
+    from farm.console import console, watch_status
     from farm.service_client import ServiceRefused, find
     from scheduler.errors import JoinFailed, ServiceError
     from storage import StoreError
@@ -183,7 +183,6 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
         console.print(f"stopped following; job {job_id} keeps running on the farm service "
                       f"(`farm status {job_id} --watch {where}`, `farm cancel {job_id}`)")
         raise typer.Exit(130) from None
-    out.print(status_line(doc))
     if doc["state"] != "done":
         raise _fail(f"job {job_id} {doc['state']}" + (f": {doc['error']}" if doc.get("error") else ""), code=1)
     if any(r["status"] == "failed" for r in _print_results(handle, service.store_uri)):
@@ -233,16 +232,16 @@ def _job_handle(job_id: str, store: str) -> "client.JobHandle":
 def status(
     job_id: str = typer.Argument(..., help="job id (or a unique prefix)"),
     store: str = StoreOpt,
-    watch: bool = typer.Option(False, "--watch", "-w", help="follow the job as a live table until it ends"),
+    watch: bool = typer.Option(False, "--watch", "-w", help="follow the job until it ends: a live table on a terminal, a line per change in a log"),
     every: float = typer.Option(2.0, help="seconds between reads of the store, with --watch"),
     as_json: bool = typer.Option(False, "--json", help="print the status document as JSON"),
 ) -> None:
     """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""
-    from farm.console import out, status_line, watch_status
+    from farm.console import console, out, status_line, watch_status
 
     handle = _job_handle(job_id, store)
     if watch:
-        doc = watch_status(handle.status, every)
+        doc = watch_status(handle.status, every, to=console if as_json else out)  # stdout: the JSON alone
     else:
         doc = handle.status()
     if as_json:

@@ -25,18 +25,25 @@ console = Console(file=_err, highlight=False, soft_wrap=True)
 out = Console(file=_out, highlight=False, width=160)
 
 
+LOG_EVERY_S = 10.0
+
+
 class ProgressEvents(NoEvents):
-    """A live bar with counts per outcome and the unit in hand."""
+    """A live bar with counts per outcome and the unit in hand. Where stderr is a log (CI, a pipe),
+    which a redrawn bar would fill with one truncated line at the end: a line per unit compiled,
+    failed or queued again, and for hits (hundreds a second) one every LOG_EVERY_S at most."""
 
     def __init__(self) -> None:
         self.counts = {"compiled": 0, "hit": 0, "failed": 0, "skipped": 0}
         self.running: dict[str, float] = {}
         self.total = 0
         self.retries = 0
+        self.log = not console.is_terminal
+        self.said_at = time.monotonic()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=console, transient=False,
+            console=console, transient=False, disable=self.log,
         )
         self.task = None
 
@@ -65,6 +72,7 @@ class ProgressEvents(NoEvents):
         self.running.pop(unit.unit_id, None)
         self.retries += 1
         self.progress.update(self.task, counts=self._counts())
+        self._say(f"{unit.graph} ({unit.target}): its worker was lost, queued again")
 
     def ran_again(self, unit: Unit, previous: UnitResult) -> None:
         self.counts[previous.status] -= 1
@@ -75,6 +83,15 @@ class ProgressEvents(NoEvents):
         self.running.pop(unit.unit_id, None)
         self.counts[result.status] = self.counts.get(result.status, 0) + 1
         self.progress.update(self.task, advance=1, description="compiling", counts=self._counts())
+        if result.status in ("compiled", "failed") or time.monotonic() - self.said_at >= LOG_EVERY_S:
+            took = f" in {result.timings['total']:.1f} s" if result.timings.get("total") else ""
+            self._say(f"[{sum(self.counts.values())}/{self.total}] {result.graph} ({result.target}): "
+                      f"{result.status}{took} · {self._counts()}")
+
+    def _say(self, line: str) -> None:
+        if self.log:
+            console.print(escape(line), soft_wrap=True)
+            self.said_at = time.monotonic()
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -178,7 +195,8 @@ _COUNTS = ("total", "queued", "running", "compiled", "hit", "failed", "retries")
 
 def status_line(doc: dict) -> str:
     counts = " · ".join(f"{k} {doc.get(k, 0)}" for k in _COUNTS)
-    return escape(f"{doc['job_id']}: {doc['state']} · {counts} · updated {doc.get('updated_at')}")
+    updated = f" · updated {doc['updated_at']}" if doc.get("updated_at") else ""  # none while the job waits in an inbox
+    return escape(f"{doc['job_id']}: {doc['state']} · {counts}{updated}")
 
 
 def status_table(doc: dict) -> Table:
@@ -192,18 +210,41 @@ def status_table(doc: dict) -> Table:
     return table
 
 
-def watch_status(read, every: float) -> dict:
-    """Redraw the job's status table from the store until the job ends: soon at first (a job of hits
-    ends in a fraction of a second), then every `every` seconds."""
+def watch_status(read, every: float, to: Console = out) -> dict:
+    """Follow the job's status document in the store until the job ends: read soon at first (a job
+    of hits ends in a fraction of a second), then every `every` seconds. On a terminal, a live
+    table of the counts and the units in flight, which gives way to the final status line; in a
+    log (CI, a pipe), a status line each time the counts change, the last one the final state."""
     from rich.live import Live
 
     from scheduler.jobs import ENDED
 
     doc = read()
     soon = time.monotonic() + 2.0
-    with Live(status_table(doc), console=out, auto_refresh=False) as live:
-        while doc["state"] not in ENDED:
+
+    def follow(show) -> dict:
+        current = doc
+        while current["state"] not in ENDED:
             time.sleep(min(every, 0.05) if time.monotonic() < soon else every)
-            doc = read()
-            live.update(status_table(doc), refresh=True)
-    return doc
+            current = read()
+            show(current)
+        return current
+
+    if to.is_terminal:
+        with Live(status_table(doc), console=to, auto_refresh=False, transient=True) as live:
+            doc = follow(lambda d: live.update(status_table(d), refresh=True))
+        to.print(status_line(doc), soft_wrap=True)
+        return doc
+    said = [_progress(doc)]
+    to.print(status_line(doc), soft_wrap=True)
+
+    def say(d: dict) -> None:
+        if _progress(d) != said[0]:
+            said[0] = _progress(d)
+            to.print(status_line(d), soft_wrap=True)
+
+    return follow(say)
+
+
+def _progress(doc: dict) -> tuple:
+    return doc["state"], *(doc.get(k, 0) for k in _COUNTS)

@@ -169,15 +169,16 @@ def test_a_cluster_nothing_answers_on_fails_fast_and_says_what_to_do(tmp_path, z
     assert os.environ["RAY_AUTH_TOKEN"] not in err  # where the token was looked for, never the token
 
 
-def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
-    """The store's status document goes from running to done while `farm status --watch` reads it."""
+def _watched(store_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`farm status JOB --watch` in a process of its own (its output a pipe, as in CI) while the
+    job's status document goes from running (one unit compiled, one in flight) to done."""
     import threading
     import time
 
     from scheduler.jobs import STATUS_FILE
     from storage import store_from_uri
 
-    store = store_from_uri(str(tmp_path / "store"))
+    store = store_from_uri(str(store_dir))
     doc = {"job_id": "w-20261123-120000-abcd", "state": "running", "total": 2, "queued": 0, "running": 1, "compiled": 1,
            "hit": 0, "failed": 0, "retries": 0, "running_units": [{"graph": "cnn", "target": "aoti-cpu", "since": time.time()}]}
     store.put_job_file(doc["job_id"], STATUS_FILE, json.dumps(doc).encode())
@@ -189,9 +190,20 @@ def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
 
     threading.Thread(target=finish).start()
     start = time.monotonic()
-    out = farm("status", "w-2026", "--watch", "--every", "0.2", "--json", "--store", str(tmp_path / "store"))
-    assert 0.9 < time.monotonic() - start < 30
-    final = json.loads(out[out.index("{\n"):])
+    done = subprocess.run([sys.executable, "-m", "farm", "status", "w-2026", "--watch", "--every", "0.2", *extra,
+                           "--store", str(store_dir)], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert 0.9 < time.monotonic() - start < 60
+    return done
+
+
+def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
+    """The store's status document goes from running to done while `farm status --watch` reads it.
+    In a log, each change is one line (no table redrawn); with --json, stdout is the JSON alone."""
+    lines = _watched(tmp_path / "store").stdout.splitlines()
+    assert [line.split(" · ")[0] for line in lines] == ["w-20261123-120000-abcd: running", "w-20261123-120000-abcd: done"]
+    assert "compiled 1" in lines[0] and "compiled 2" in lines[1]
+    final = json.loads(_watched(tmp_path / "store-json", "--json").stdout)
     assert final["state"] == "done" and final["compiled"] == 2
 
 

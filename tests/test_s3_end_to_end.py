@@ -4,6 +4,7 @@ ExecuTorch program (.pte)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,10 @@ def test_compile_into_s3_fetch_back_and_run(s3_server, s3_uri, zoo_dir, tmp_path
     first = _farm("compile", *graphs, *targets, "--store", s3_uri, env=s3_server.env())
     assert first.returncode == 0, first.stdout + first.stderr
     assert "2 compiled, 0 hits, 0 failed" in first.stdout
+    # its output a pipe, as in CI: a line per unit compiled as it ends, not a progress bar redrawn
+    for target in ("aoti-cpu", "executorch:xnnpack"):
+        assert re.search(rf"^\[[12]/2\] encoder_block \({target}\): compiled in [\d.]+ s · ", first.stderr, re.M), first.stderr
+    assert "ETA" not in first.stderr and "━" not in first.stderr, first.stderr
 
     store = store_from_uri(s3_uri)
     (job_id,) = store.job_ids()
