@@ -235,14 +235,14 @@ def watch_status(read, every: float, to: Console = out) -> dict:
             doc = follow(lambda d: live.update(status_table(d), refresh=True))
         to.print(status_line(doc), soft_wrap=True)
         return doc
-    said = [_progress(doc)]
-    to.print(status_line(doc), soft_wrap=True)
+    said: list[tuple] = []
 
     def say(d: dict) -> None:
-        if _progress(d) != said[0]:
-            said[0] = _progress(d)
+        if not said or _progress(d) != said[-1]:
+            said.append(_progress(d))
             to.print(status_line(d), soft_wrap=True)
 
+    say(doc)
     return follow(say)
 
 
