@@ -75,6 +75,25 @@ def _messages() -> dict:
             for name in shapes}
 
 
+def refused(address: str, timeout: float = TIMEOUT_S) -> str | None:
+    """Why the GCS at `address` (HOST:PORT) refuses this process, its token missing or wrong, from
+    one GetClusterId call (milliseconds, where Ray's own client retries for about 20 s before it
+    gives up); None when it answers, or when this path cannot tell."""
+    if not re.fullmatch(r"[\w.-]+:\d+|\[[0-9a-fA-F:.]+\]:\d+", address):
+        return None
+    import grpc
+
+    token = ray_token()
+    with grpc.insecure_channel(address) as channel:
+        ids = channel.unary_unary(_CLUSTER_ID, request_serializer=lambda _: b"",
+                                  response_deserializer=_messages()["GetClusterIdReply"].FromString)
+        try:
+            ids(None, timeout=timeout, metadata=[("authorization", f"Bearer {token}")] if token else None)
+        except grpc.RpcError as e:
+            return (e.details() or "unauthenticated") if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return None
+
+
 def read_service_store(address: str, timeout: float = TIMEOUT_S) -> tuple[str, str] | None:
     """The service's store URI and the cluster's id (hex) as the GCS at `address` (HOST:PORT)
     keeps them; None when the GCS answers that no service left its store there; Unread otherwise."""

@@ -25,7 +25,7 @@ from typing import Iterator
 import ray
 
 from scheduler.errors import JoinFailed
-from scheduler.gcs_kv import NAMESPACE, SERVICE_STORE_KEY, default_token_path
+from scheduler.gcs_kv import NAMESPACE, SERVICE_STORE_KEY, default_token_path, refused
 from workers.backends import offered_resources
 
 PROBE_S = 3.0
@@ -68,7 +68,7 @@ def service_store(address: str) -> tuple[str, str] | None:
     from ray._raylet import GcsClient
 
     target = _answering(address)
-    if target is None:
+    if target is None or refused(f"{target[0]}:{target[1]}"):  # where Ray's client would retry for 20 s
         return None
     try:
         gcs = GcsClient(address=f"{target[0]}:{target[1]}")
@@ -104,7 +104,7 @@ def join_advice(address: str, target: tuple[str, int] | None, answered: bool, ca
     where = f"{target[0]}:{target[1]}" if target else address
     lines = [f"could not join the Ray cluster at {address}: {cause}"]
     if target and where != address:
-        lines.append(f"  Ray connected to {where} instead: it replaces 127.0.0.1 and localhost by this host's address")
+        lines.append(f"  Ray connects to {where} instead: it replaces 127.0.0.1 and localhost by this host's address")
     if not answered:
         lines.append(f"  nothing answers on {where}: is the head running? `ray status --address {where}` tells; "
                      f"`ray start --head --port PORT` starts one")
@@ -112,6 +112,10 @@ def join_advice(address: str, target: tuple[str, int] | None, answered: bool, ca
         lines.append(f"  something answers on {where}, so the likely cause is the auth token: this process and the "
                      f"cluster must hold the same one")
     lines.append(f"  token looked for in: {_token_sources()}")
+    if answered and os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        lines.append(f"  this process sends no token, as RAY_AUTH_MODE is not `token`; `ray start` turns token auth on "
+                     f"by itself where {default_token_path()} exists (any Ray started on that machine before, "
+                     f"`./dev demo`'s included, wrote one): `export RAY_AUTH_MODE=token` and run again")
     lines.append("  on the head, `ray get-auth-token` prints the cluster's token; here, `export RAY_AUTH_TOKEN=<it>` "
                  "and run again")
     lines.append("  or leave out --address (and RAY_ADDRESS) to compile on an embedded Ray of this machine")
@@ -135,6 +139,9 @@ def join(address: str, **init):
     """`ray.init` joining the cluster at `address`, by 127.0.0.1 itself where the cluster listens
     on loopback alone; JoinFailed saying what to do when that fails."""
     target = _answering(address)
+    why = target and refused(f"{target[0]}:{target[1]}")
+    if why:  # said now, not after Ray's 20 s of retries
+        raise JoinFailed(join_advice(address, target, True, f"the cluster refused this process: {why}"))
     try:
         if target and target[0] == LOOPBACK:
             with loopback_kept():

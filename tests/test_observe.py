@@ -207,6 +207,27 @@ def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
     assert final["state"] == "done" and final["compiled"] == 2
 
 
+def test_a_cluster_that_refuses_this_process_is_said_at_once_with_the_fix(ray_cluster, tmp_path, zoo_dir):
+    """The session's cluster wants its token. A process with RAY_AUTH_MODE unset (Ray then sends
+    none, though ~/.ray/auth_token may exist, and `ray start` turned auth on because it did), or
+    with another token, is told so at once, not after Ray's 20 s of retries, with what to set."""
+    import time
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    for case, extra in (("no mode", {}), ("another token", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 64})):
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "farm", "submit", str(job), "--address", ray_cluster.address,
+                               "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=120,
+                              env={**env, **extra}, stdin=subprocess.DEVNULL)
+        err = done.stderr
+        assert done.returncode == 2 and "the cluster refused this process" in err and "Traceback" not in err, (case, err)
+        assert time.monotonic() - start < 15, (case, err)  # Ray's own client gives up after about 20 s
+        assert ("export RAY_AUTH_MODE=token" in err) == (case == "no mode"), (case, err)
+        assert "f" * 64 not in err and os.environ["RAY_AUTH_TOKEN"] not in err
+
+
 def test_a_cluster_that_answers_but_refuses_the_token_is_named_as_the_likely_cause(monkeypatch):
     """What `farm submit --address` says after Ray gave up on a wrong token (Ray retries for about
     20 s first; the README recipe's cluster showed it end to end)."""
@@ -214,7 +235,7 @@ def test_a_cluster_that_answers_but_refuses_the_token_is_named_as_the_likely_cau
 
     monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-clusters-token")
     text = join_advice("127.0.0.1:6390", ("192.0.2.2", 6390), True, "Failed to connect to Ray cluster at 192.0.2.2:6390")
-    assert "could not join the Ray cluster at 127.0.0.1:6390" in text and "Ray connected to 192.0.2.2:6390 instead" in text
+    assert "could not join the Ray cluster at 127.0.0.1:6390" in text and "Ray connects to 192.0.2.2:6390 instead" in text
     assert "likely cause is the auth token" in text and "RAY_AUTH_TOKEN is set" in text and "ray get-auth-token" in text
     assert "not-the-clusters-token" not in text
 
