@@ -9,7 +9,9 @@ in about 50 ms, with the auth token found where Ray finds it.
 
 The request and reply messages are declared here from Ray's `gcs_service.proto` (field numbers are
 the wire format, which Ray keeps stable across versions; tests/test_gcs_kv.py checks them against
-Ray's generated classes). Whatever this path cannot read (a refused token, a GCS that does not
+Ray's generated classes). The same GetClusterId call tells at once whether the cluster refuses
+this process's token (`refused`), where Ray's own client retries for about 20 s before saying
+so. Whatever this path cannot read (a refused token, a GCS that does not
 answer at that address, an unexpected reply) raises Unread, and the caller falls back to Ray's
 client (scheduler/ray_session.service_store), which knows loopback clusters and explains failures.
 """
