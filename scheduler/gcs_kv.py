@@ -8,7 +8,7 @@ calls to the GCS, so this module makes them with grpcio and protobuf (both Ray's
 in about 50 ms, with the auth token found where Ray finds it.
 
 The request and reply messages are declared here from Ray's `gcs_service.proto` (field numbers are
-the wire format, which Ray keeps stable across versions; tests/test_gcs_kv.py checks them against
+the wire format, which Ray keeps stable across versions; tests/test_service.py checks them against
 Ray's generated classes). The same GetClusterId call tells at once whether the cluster refuses
 this process's token (`refused`), where Ray's own client retries for about 20 s before saying
 so. Whatever this path cannot read (a refused token, a GCS that does not
