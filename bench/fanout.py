@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT))
+
+from bench.machine import busy_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
 SERIAL = """
 import json, sys
 from scheduler.spec import parse_job
@@ -64,14 +67,6 @@ def _per_unit(label: str, timings: list[dict]) -> None:
               + f"  {t.get('worker', '')}")
 
 
-def _busy_cpu() -> float:
-    """Core-seconds this machine has spent busy so far, every process's (/proc/stat): a jailed
-    sandbox's compilers are reaped in their own pid namespace, out of RUSAGE_CHILDREN's sight."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def _probe_host(cache: Path) -> None:
     """The host's ISA probes made in Inductor cache dir `cache`, as a node makes them when its
     cluster starts (in a fresh process: this one keeps the first answer it got, for another dir)."""
@@ -94,10 +89,10 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
         subprocess.run([sys.executable, "-c", SERIAL.replace("STORE", repr(str(root / "store-warm-up"))),
                         ",".join(targets), *warm_up], check=True, env=env, cwd=PROJECT, stdout=subprocess.DEVNULL)
     code = SERIAL.replace("STORE", repr(str(root / "store")))
-    t0, cpu0 = time.perf_counter(), _busy_cpu()
+    t0, cpu0 = time.perf_counter(), busy_core_seconds()
     done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
                           cwd=PROJECT, stdout=subprocess.PIPE, text=True)
-    return time.perf_counter() - t0, _busy_cpu() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
+    return time.perf_counter() - t0, busy_core_seconds() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
 
 
 def main() -> None:
@@ -112,7 +107,6 @@ def main() -> None:
     args = ap.parse_args()
     isas = args.isa or ["avx2", "x86-64"]
     targets = [f"aoti-cpu:{i}" for i in isas]
-    sys.path.insert(0, str(PROJECT))
     from bench.scratch import scratch_dir
 
     root = scratch_dir("farm-bench-")
@@ -196,10 +190,10 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
     _probe_host(root / "cache")  # (a second Ray session of this process would not: see _probe_host)
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})
     with ray_session(None, slots=workers):
-        t0, cpu0 = time.perf_counter(), _busy_cpu()
+        t0, cpu0 = time.perf_counter(), busy_core_seconds()
         runner = RayRunner(PoolConfig(workers=workers))
         outcome = execute(job, store_from_uri(str(root / "store")), runner)
-        wall_s, cpu_s = time.perf_counter() - t0, _busy_cpu() - cpu0
+        wall_s, cpu_s = time.perf_counter() - t0, busy_core_seconds() - cpu0
     bad = [r.error for r in outcome.results if r.status != "compiled"]
     assert not bad, bad
     return wall_s, cpu_s, outcome, runner

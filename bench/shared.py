@@ -16,7 +16,9 @@ first measurement (a warm-up job), as on a farm that serves all day. The smalles
 order swapped every other trial (one run's nightlies got faster as it went on), and
 every trial's figures are printed with their median: one interactive unit is the largest share
 of that nightly, and its time alone varied from 38.7 to 42.9 s between runs (2026-11-27), which
-moved a single sample's +% from +6 to +15.
+moved a single sample's +% from +6 to +15. With each nightly size it prints the floor under that
++%: the core-seconds the whole machine was busy for the interactive job alone against those of
+the nightly alone. A nightly that keeps every core busy gives up at least that much to it.
 
 Then a hit through the service: the whole `farm submit` process of an all-hit job, handed over
 through the store's inbox, the store named (`--store`: no Ray in the client) and found from the
@@ -42,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scratch import scratch_dir  # noqa: E402  (the repo's root is on sys.path now)
+from bench.machine import busy_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
+from bench.scratch import scratch_dir  # noqa: E402
 from bench.trials import in_turn  # noqa: E402
 
 
@@ -87,6 +90,12 @@ def timed(spec: dict, address: str) -> float:
     return time.perf_counter() - start
 
 
+def busy_timed(spec: dict, address: str) -> tuple[float, float]:
+    """timed(), and the core-seconds the machine was busy meanwhile (every process's, Ray's too)."""
+    cpu0 = busy_core_seconds()
+    return timed(spec, address), busy_core_seconds() - cpu0
+
+
 def during(nightly: dict, interactive: dict, address: str) -> tuple[float, float]:
     """The nightly's time, and the interactive job's, submitted once the nightly's units run."""
     from farm import client
@@ -100,21 +109,25 @@ def during(nightly: dict, interactive: dict, address: str) -> tuple[float, float
     return time.perf_counter() - start, alone
 
 
-def nightly_pairs(n: int, trials: list[tuple[list[Path], list[Path], Path]], alone: float, address: str) -> float:
+def nightly_pairs(n: int, trials: list[tuple[list[Path], list[Path], Path]], alone: tuple[float, float],
+                  address: str) -> float:
     """Each trial: a nightly of n units alone and another with an interactive job during it
     (graphs of their own), in turn (bench/trials.py); prints each trial's +% and the interactive
-    job's ratio to `alone`, and with more than one trial their medians. Returns the interactive
-    ratio (median)."""
+    job's ratio to its time alone (`alone`: seconds, busy core-seconds), and with more than one
+    trial their medians; then the floor under the +%: the interactive job's own core-seconds
+    against the nightly's, which a nightly that keeps every core busy cannot avoid. Returns the
+    interactive ratio (median)."""
     import statistics
 
-    extra, ratios = [], []
+    extra, ratios, busy = [], [], []
     for t, (first, second, mine) in enumerate(trials, 1):
-        done = in_turn(t - 1, {"alone": partial(timed, job(f"nightly{n}-{t}", first, "nightly"), address),
+        done = in_turn(t - 1, {"alone": partial(busy_timed, job(f"nightly{n}-{t}", first, "nightly"), address),
                                "with": partial(during, job(f"nightly{n}-{t}b", second, "nightly"),
                                                job("mine", [mine], "interactive"), address)})
-        nightly_alone, (nightly_with, during_s) = done["alone"], done["with"]
+        (nightly_alone, nightly_cpu), (nightly_with, during_s) = done["alone"], done["with"]
+        busy.append((nightly_alone, nightly_cpu))
         extra.append(nightly_with / nightly_alone - 1)
-        ratios.append(during_s / alone)
+        ratios.append(during_s / alone[0])
         label = f"nightly of {n} units" + (f", trial {t}" if len(trials) > 1 else "")
         print(f"{label}: alone {nightly_alone:.1f} s, with the interactive job {nightly_with:.1f} s "
               f"({extra[-1]:+.1%}; goal at most +10%)")
@@ -123,6 +136,10 @@ def nightly_pairs(n: int, trials: list[tuple[list[Path], list[Path], Path]], alo
     if len(trials) > 1:
         print(f"nightly of {n} units, {len(trials)} trials: with the interactive job {statistics.median(extra):+.1%} "
               f"(median; goal at most +10%); the interactive job {statistics.median(ratios):.2f}x alone (median)")
+    seconds, cpu = (statistics.median(x) for x in zip(*busy))
+    print(f"  the floor under that +%: the interactive job alone kept the machine busy {alone[1]:.1f} core-s, the "
+          f"nightly alone {cpu:.1f} core-s in {seconds:.1f} s ({cpu / seconds:.2f} of {os.cpu_count()} cores; medians), "
+          f"so on cores the nightly keeps busy the interactive job's work alone adds about {alone[1] / cpu:+.1%} to it")
     return statistics.median(ratios)
 
 
@@ -191,8 +208,8 @@ def main() -> None:
         subprocess.run([*farm, "serve", "--address", address, "--store", str(tmp / "store"), "--min-workers",
                         str(args.workers)], env=env, check=True)
         print(f"warm-up ({args.workers} units, workers start): {timed(job('warmup', warm, 'batch'), address):.1f} s")
-        alone = timed(job("mine", interactive, "interactive"), address)
-        print(f"interactive 1-unit job alone: {alone:.1f} s")
+        alone = busy_timed(job("mine", interactive, "interactive"), address)
+        print(f"interactive 1-unit job alone: {alone[0]:.1f} s, the machine busy {alone[1]:.1f} core-s")
         ratios = {n: nightly_pairs(n, nightlies[n], alone, address) for n in sizes}
         if len(sizes) > 1:
             big, small = max(sizes), min(sizes)
@@ -202,7 +219,7 @@ def main() -> None:
         for how, seconds in hit.items():
             print(f"a hit through the service ({how}), the whole `farm submit` process: {seconds:.2f} s (median of 5); "
                   f"`python -c 'import torch'`: {torch_s:.2f} s; ratio {seconds / torch_s:.2f} (goal at most 0.6)")
-        print(json.dumps({"alone_s": alone, "ratios": ratios, "cli_hit_s": hit, "import_torch_s": torch_s}))
+        print(json.dumps({"alone_s": alone[0], "ratios": ratios, "cli_hit_s": hit, "import_torch_s": torch_s}))
     finally:
         subprocess.run([*farm, "serve", "--address", address, "--stop"], env=env, capture_output=True)
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)

@@ -1,0 +1,14 @@
+"""What the whole machine did, for benchmarks that compare a side's work with another's."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def busy_core_seconds() -> float:
+    """Core-seconds this machine has spent busy so far, every process's (/proc/stat): a jailed
+    sandbox's compilers are reaped in their own pid namespace, out of RUSAGE_CHILDREN's sight,
+    and a farm's work runs in Ray's processes, not the benchmark's."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
