@@ -34,6 +34,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from bench.machine import busy_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
+
 SERIAL = """
 import json, sys
 from scheduler.spec import parse_job

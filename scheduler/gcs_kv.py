@@ -28,6 +28,7 @@ TIMEOUT_S = 3.0
 _KV_GET = "/ray.rpc.InternalKVGcsService/InternalKVGet"
 _CLUSTER_ID = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 _NOT_FOUND = 17  # ray::StatusCode::NotFound, what the GCS answers for an absent key
+_HOST_PORT = re.compile(r"[\w.-]+:\d+|\[[0-9a-fA-F:.]+\]:\d+")
 
 
 class Unread(Exception):
@@ -36,6 +37,12 @@ class Unread(Exception):
 
 def default_token_path() -> Path:
     return Path.home() / ".ray" / "auth_token"
+
+
+def _auth() -> list[tuple[str, str]] | None:
+    """The call metadata that carries the token Ray would send (none without one)."""
+    token = ray_token()
+    return [("authorization", f"Bearer {token}")] if token else None
 
 
 def ray_token() -> str | None:
@@ -81,16 +88,15 @@ def refused(address: str, timeout: float = TIMEOUT_S) -> str | None:
     """Why the GCS at `address` (HOST:PORT) refuses this process, its token missing or wrong, from
     one GetClusterId call (milliseconds, where Ray's own client retries for about 20 s before it
     gives up); None when it answers, or when this path cannot tell."""
-    if not re.fullmatch(r"[\w.-]+:\d+|\[[0-9a-fA-F:.]+\]:\d+", address):
+    if not _HOST_PORT.fullmatch(address):
         return None
     import grpc
 
-    token = ray_token()
     with grpc.insecure_channel(address) as channel:
         ids = channel.unary_unary(_CLUSTER_ID, request_serializer=lambda _: b"",
                                   response_deserializer=_messages()["GetClusterIdReply"].FromString)
         try:
-            ids(None, timeout=timeout, metadata=[("authorization", f"Bearer {token}")] if token else None)
+            ids(None, timeout=timeout, metadata=_auth())
         except grpc.RpcError as e:
             return (e.details() or "unauthenticated") if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
     return None
@@ -99,13 +105,12 @@ def refused(address: str, timeout: float = TIMEOUT_S) -> str | None:
 def read_service_store(address: str, timeout: float = TIMEOUT_S) -> tuple[str, str] | None:
     """The service's store URI and the cluster's id (hex) as the GCS at `address` (HOST:PORT)
     keeps them; None when the GCS answers that no service left its store there; Unread otherwise."""
-    if not re.fullmatch(r"[\w.-]+:\d+|\[[0-9a-fA-F:.]+\]:\d+", address):
+    if not _HOST_PORT.fullmatch(address):
         raise Unread(f"{address}: not HOST:PORT")
     import grpc
 
     kinds = _messages()
-    token = ray_token()
-    metadata = [("authorization", f"Bearer {token}")] if token else None
+    metadata = _auth()
     with grpc.insecure_channel(address) as channel:
         try:
             kv = channel.unary_unary(_KV_GET, request_serializer=lambda m: m.SerializeToString(),

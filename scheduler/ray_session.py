@@ -63,12 +63,13 @@ def service_store(address: str) -> tuple[str, str] | None:
     """The farm service's store URI, as the cluster at `address` keeps it in Ray's internal KV
     (SERVICE_STORE_KEY, left there by scheduler/ray_service.py), and the cluster's id; read with
     Ray's GCS client alone: a few milliseconds, where joining as a driver (`ray.init`) takes a
-    second and more. None when the token is refused or the key is absent: the caller then joins,
-    and a failure to join says why; JoinFailed, as for a join, when nothing answers there."""
+    second and more. None when the key is absent or the read fails: the caller then joins, and
+    a failure to join says why; JoinFailed, as for a join, when nothing answers there or the
+    cluster refuses this process's token."""
     from ray._raylet import GcsClient
 
-    target = _answering(address)
-    if target is None or refused(f"{target[0]}:{target[1]}"):  # where Ray's client would retry for 20 s
+    target = _joinable(address)
+    if target is None:
         return None
     try:
         gcs = GcsClient(address=f"{target[0]}:{target[1]}")
@@ -135,13 +136,20 @@ def _answering(address: str) -> tuple[str, int] | None:
     return target
 
 
+def _joinable(address: str) -> tuple[str, int] | None:
+    """_answering(address), and JoinFailed at once where the cluster there refuses this process's
+    token (or its lack of one), not after Ray's client has retried for 20 s."""
+    target = _answering(address)
+    why = target and refused(f"{target[0]}:{target[1]}")
+    if why:
+        raise JoinFailed(join_advice(address, target, True, f"the cluster refused this process: {why}"))
+    return target
+
+
 def join(address: str, **init):
     """`ray.init` joining the cluster at `address`, by 127.0.0.1 itself where the cluster listens
     on loopback alone; JoinFailed saying what to do when that fails."""
-    target = _answering(address)
-    why = target and refused(f"{target[0]}:{target[1]}")
-    if why:  # said now, not after Ray's 20 s of retries
-        raise JoinFailed(join_advice(address, target, True, f"the cluster refused this process: {why}"))
+    target = _joinable(address)
     try:
         if target and target[0] == LOOPBACK:
             with loopback_kept():

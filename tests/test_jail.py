@@ -213,7 +213,6 @@ def test_farm_resources_says_how_children_are_isolated(monkeypatch):
     assert "not jailed: a plain child process (FARM_SANDBOX=process)" in CliRunner().invoke(app, ["resources"]).stderr
 
 
-
 def test_farm_resources_says_when_torch_has_no_bytecode_a_process_can_use(tmp_path, monkeypatch):
     """A torch installed without bytecode has its sources compiled by every sandbox child as it
     starts, since children never write bytecode (10.5 s a process on a lent GPU host): the node's
@@ -237,6 +236,7 @@ def test_farm_resources_says_when_torch_has_no_bytecode_a_process_can_use(tmp_pa
     assert torch_files.unusable_bytecode() == [] and "bytecode" not in CliRunner().invoke(app, ["resources"]).stderr
     (fake / "__init__.py").write_text("X = 2  # changed since it was compiled\n")
     assert torch_files.unusable_bytecode() == ["__init__.py"]
+
 
 def test_a_warm_child_serves_one_job_and_its_tmp_is_wiped_between_units(zoo_dir, tmp_path):
     """A new job gets a fresh child (started when the last job ended); within a job, what a unit
