@@ -67,6 +67,10 @@ def gc(store: str = StoreOpt,
     out.print(_table("kept", report["kept"], "kind"))
     spared = f"; {report['spared']} chosen, then kept: used or relied on meanwhile" if report["spared"] else ""
     out.print(f"{report['objects']} objects listed{spared}")
+    young = report["young_blobs"]
+    if young["count"]:
+        out.print(f"of the blobs kept, {young['count']} ({young['bytes'] / 1e6:.2f} MB) are named by nothing, but younger "
+                  f"than --grace-s {grace_s:g} (a publish may be in flight): a later gc deletes them", soft_wrap=True)
 
 
 def du(store: str = StoreOpt, grace_s: float = GraceOpt, as_json: bool = JsonOpt) -> None:

@@ -80,11 +80,13 @@ class Report:
     dry_run: bool = False
     objects: int = 0  # listed
     spared: int = 0  # chosen, then left because a use or a publisher made them young meanwhile
+    young: Tally = field(default_factory=Tally)  # blobs nothing refers to, younger than the grace period
 
     def to_dict(self) -> dict[str, Any]:
         table = lambda d: {k: {"count": d[k].count, "bytes": d[k].bytes} for k in KINDS if k in d}
         return {"dry_run": self.dry_run, "objects": self.objects, "spared": self.spared,
-                "deleted": table(self.deleted), "kept": table(self.kept)}
+                "deleted": table(self.deleted), "kept": table(self.kept),
+                "young_blobs": {"count": self.young.count, "bytes": self.young.bytes}}
 
 
 def kind_of(path: str) -> str:
@@ -254,6 +256,7 @@ class Plan:
     blobs: set[str]  # digests that go
     leases: set[str]  # keys whose expired leases go
     cache: set[str] = field(default_factory=set)  # remote-cache entries (index names) unused too long
+    young: set[str] = field(default_factory=set)  # digests nothing refers to, kept for the grace period
 
 
 def _older(now: float, mtime: float, limit_s: float) -> bool:
@@ -283,9 +286,10 @@ def plan(snap: Snapshot, policy: Policy) -> Plan:
     if policy.max_bytes is not None:
         units |= _to_fit(snap, policy, units, jobs, others, blob_infos, keep_units)
     marked = others.union(*(snap.refs[k] for k in listing.units if k not in units))
-    blobs = {d for d, i in blob_infos.items() if d not in marked and _older(now, i.mtime, policy.grace_s)}
+    unreferenced = {d for d in blob_infos if d not in marked}
+    blobs = {d for d in unreferenced if _older(now, blob_infos[d].mtime, policy.grace_s)}
     leases = {k for k, files in listing.leases.items() if _older(now, max(i.mtime for i in files), policy.lease_expiry_s)}
-    return Plan(units, jobs, blobs, leases, cache)
+    return Plan(units, jobs, blobs, leases, cache, unreferenced - blobs)
 
 
 def _to_fit(snap: Snapshot, policy: Policy, doomed: set[str], doomed_jobs: set[str], others: set[str],
@@ -331,9 +335,11 @@ class Collector:
         # a manifest (or cache entry) spared at the last moment keeps its blobs
         spared = chosen.units - gone_units
         blob_infos = {blob_digest(i.path): i for i in listing.by_kind["blobs"]}
-        sweep = {d for d in chosen.blobs if not any(d in snap.refs[k] for k in spared)
-                 and not any(d in snap.cache_refs.get(n, ()) for n in spared_cache)}
-        self._delete(blob_infos, sweep, "blobs")
+        named = lambda d: any(d in snap.refs[k] for k in spared) or any(d in snap.cache_refs.get(n, ()) for n in spared_cache)
+        self._delete(blob_infos, {d for d in chosen.blobs if not named(d)}, "blobs")
+        for digest in chosen.young:  # kept, and said: a later collection takes them
+            if not named(digest):
+                self.report.young.add(blob_infos[digest].size)
         self._delete_groups(listing.leases, chosen.leases, "leases")
         for kind in KINDS:
             if kind not in ("units", "blobs", "jobs", "leases", "remote-cache"):

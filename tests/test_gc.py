@@ -146,10 +146,11 @@ def test_a_unit_used_after_the_listing_keeps_its_manifest_and_blobs(store):
 
 def test_a_publish_in_flight_keeps_its_blobs_for_the_grace_period(store):
     uploaded = _blob(store, b"uploaded, its manifest not yet written", days=0.5)
-    collect(store, Policy(grace_s=DAY_S))
+    report = collect(store, Policy(grace_s=DAY_S)).to_dict()
     assert _exists(store, uploaded)
-    collect(store, Policy(grace_s=3600))  # past a shorter grace: nothing refers to it
-    assert not _exists(store, uploaded)
+    assert report["young_blobs"] == {"count": 1, "bytes": len(b"uploaded, its manifest not yet written")}  # and says so
+    report = collect(store, Policy(grace_s=3600)).to_dict()  # past a shorter grace: nothing refers to it
+    assert not _exists(store, uploaded) and report["young_blobs"]["count"] == 0
 
 
 def test_a_running_jobs_record_keeps_its_programs_and_finished_units_blobs(store):

@@ -53,6 +53,8 @@ def test_pin_du_and_gc_from_the_command_line(zoo_dir, tmp_path):
     assert du["bytes"] == sum(i.size for i in store.backend.list_info(""))
     assert "units by target" in farm("du", "--store", d)
 
+    young = farm("gc", "--unused-days", "0", "--dry-run", "--store", d)  # the unpinned unit's blobs are a day young
+    assert "are named by nothing, but younger than --grace-s 86400 (a publish may be in flight)" in young
     dry = json.loads(farm("gc", "--unused-days", "0", "--grace-s", "0", "--dry-run", "--json", "--store", d))
     assert dry["dry_run"] and dry["deleted"]["units"]["count"] == 1 and len(list(store.manifest_keys())) == 2
     done = json.loads(farm("gc", "--unused-days", "0", "--grace-s", "0", "--json", "--store", d))
