@@ -32,9 +32,10 @@ def cache_serve(
     import asyncio
 
     from farm.console import console
+    from storage import StoreError
     from storage.cache_server import CacheServer
     from storage.cache_tokens import TokensError, read_tokens
-    from storage.remote_cache import CacheEntries
+    from storage.remote_cache import CacheEntries, read_stats
 
     try:
         users = read_tokens(tokens)
@@ -44,7 +45,12 @@ def cache_serve(
         raise fail(f"--max-value-mb {max_value_mb:g}: give a size in MiB above 0")
     tls = checked_tls(tls_cert, tls_key)
     refuse_plaintext(host, tls is not None, "--")
-    server = CacheServer(CacheEntries(open_store(store)), users, host=host, port=port,
+    entries = open_store(store)
+    try:  # a store it cannot reach is said now, not as every client's lookup fails
+        read_stats(entries)
+    except StoreError as e:
+        raise fail(f"cannot serve {store}: {e}") from e
+    server = CacheServer(CacheEntries(entries), users, host=host, port=port,
                          max_value_bytes=int(max_value_mb * (1 << 20)), tls=tls)
     if metrics_port is not None:
         try:

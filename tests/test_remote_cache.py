@@ -381,6 +381,19 @@ def test_a_tokens_file_that_cannot_be_used_is_refused_with_its_line(tmp_path):
     assert "not a loopback address" in said and "--tls-cert" in said
 
 
+def test_cache_serve_says_at_once_that_it_cannot_reach_its_store(tokens, tmp_path):
+    """Not a server that listens, then answers every lookup with an error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    done = subprocess.run([sys.executable, "-m", "farm", "cache-serve", "--store", "s3://no-such-bucket/cache",
+                           "--tokens", str(tokens), "--port", str(_free_port())], cwd=ROOT, env=env, text=True,
+                          capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2 and "cannot serve s3://no-such-bucket/cache" in said, said
+    assert "Unable to locate credentials" in said and "on redis://" not in said
+
+
 def test_use_farm_cache_refuses_a_token_the_endpoint_refused_at_once_and_outlives_an_endpoint_that_is_down(
         tokens, tmp_path, monkeypatch, caplog):
     """A wrong token, or a reader's given to write, is the caller's to fix: said as use_farm_cache
