@@ -268,16 +268,24 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     outcome.results = [result for _, result in done] + finish_tuning(done, store)
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
+    outcome.stats = JobStats.from_rows(rows)
+    try:
+        _write_outcome(store, outcome, rows)
+    except StoreError as e:  # what published stays published; the job's record must not say it still runs
+        status.end(state="failed", error=f"its results were not written: {e}")
+        raise
+    status.end(state="done", wall_s=round(outcome.wall_s, 3))
+    return outcome
+
+
+def _write_outcome(store: Store, outcome: JobOutcome, rows: list[dict[str, Any]]) -> None:
     write_results(store, outcome.job_id, rows)
     store.flush_journal()  # what this process published, for the collector (storage/unit_refs.py)
-    outcome.stats = JobStats.from_rows(rows)
     write_stats(store, outcome.job_id, outcome.stats)
     store.put_job_file(outcome.job_id, KEYS_FILE, json.dumps(_keys(outcome.results), indent=1).encode())
     store.put_job_file(outcome.job_id, OUTCOME_FILE, json.dumps(  # the key components are keys.json's alone
         {"wall_s": outcome.wall_s, "results": [{**r.to_dict(), "components": None} for r in outcome.results]},
         default=str).encode())
-    status.end(state="done", wall_s=round(outcome.wall_s, 3))
-    return outcome
 
 
 def _keys(results: list[UnitResult]) -> list[dict[str, Any]]:

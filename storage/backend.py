@@ -14,6 +14,11 @@ class StoreError(RuntimeError):
     """An I/O failure talking to a store, carrying its cause."""
 
 
+class StoreUnwritable(StoreError):
+    """The store refuses what is written to it (its disk full, read-only, not ours to write):
+    trying again in a moment will not help."""
+
+
 class UnsafeStore(StoreError):
     """The store works but cannot be published to safely (e.g. it ignores conditional writes);
     trying again will not help."""

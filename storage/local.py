@@ -1,14 +1,20 @@
 """A store in a local directory. Every write goes to a temp file first, then is renamed
-(or hard-linked, for a conditional write) into place, so a reader never sees half a file."""
+(or hard-linked, for a conditional write) into place, so a reader never sees half a file; a write
+that fails (a full disk) removes its temp file and raises StoreError, as the S3 backend does."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from storage.backend import ObjectInfo, StoreError
+from storage.backend import ObjectInfo, StoreError, StoreUnwritable
+
+# a write that fails with these fails again in a moment: the unit is not run again for them
+UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
 class LocalBackend:
@@ -24,6 +30,15 @@ class LocalBackend:
         if path.startswith("/") or ".." in path.split("/"):
             raise ValueError(f"store path must be relative without '..': {path!r}")
         return self.root / path
+
+    @contextlib.contextmanager
+    def _failing_as_store(self, what: str, path: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            hint = " (its disk is full: free space there, or run `farm gc`)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            kind = StoreUnwritable if e.errno in UNWRITABLE else StoreError
+            raise kind(f"{what} {self.uri}/{path} failed: {e.strerror or e}{hint}") from e
 
     def _temp_beside(self, dest: Path) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -51,21 +66,30 @@ class LocalBackend:
             return None
 
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
-        dest = self._path(path)
-        if if_absent and dest.exists():
-            return False
-        tmp = self._temp_beside(dest)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return self._place(tmp, dest, if_absent)
+        def fill(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+        return self._put("write", path, fill, if_absent)
 
     def upload_file(self, path: str, src: Path) -> None:
+        self._put("upload", path, lambda tmp: shutil.copyfile(src, tmp), if_absent=False)
+
+    def _put(self, what: str, path: str, fill: Callable[[Path], object], if_absent: bool) -> bool:
+        """A temp file beside `path`, filled, then put in place; on failure, removed."""
         dest = self._path(path)
-        tmp = self._temp_beside(dest)
-        shutil.copyfile(src, tmp)
-        self._place(tmp, dest, if_absent=False)
+        with self._failing_as_store(what, path):
+            if if_absent and dest.exists():
+                return False
+            tmp = self._temp_beside(dest)
+            try:
+                fill(tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            return self._place(tmp, dest, if_absent)
 
     def download_file(self, path: str, dest: Path) -> bool:
         try:

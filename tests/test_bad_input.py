@@ -78,6 +78,26 @@ def test_naming_the_module_fixes_the_unregistered_output(bad_job):
     assert r.status == "compiled", r.error
 
 
+def test_a_job_whose_results_cannot_be_written_ends_failed_and_says_why(tmp_path, monkeypatch):
+    """A store that fills up as the job ends: the error reaches the caller, and the job's record
+    says it failed instead of running for ever (`farm jobs`, `farm status`)."""
+    import json
+
+    from scheduler import jobs
+    from storage import StoreUnwritable
+
+    def full(store, job_id, rows):
+        raise StoreUnwritable(f"write {store.uri}/jobs/{job_id}/results.parquet failed: No space left on device")
+
+    monkeypatch.setattr(jobs, "write_results", full)
+    store = store_from_uri(str(tmp_path / "store"))
+    job = parse_job({"name": "full", "graphs": ["missing.pt2"], "targets": ["core-aten"]}, "full.yaml", base_dir=tmp_path)
+    with pytest.raises(StoreUnwritable, match="No space left"):
+        execute(job, store, job_id="full-1")
+    status = json.loads(store.get_job_file("full-1", "status.json"))
+    assert status["state"] == "failed" and "results were not written" in status["error"] and status["failed"] == 1
+
+
 def test_cli_reports_failures_with_nonzero_exit(zoo_dir, tmp_path):
     bad = tmp_path / "bad.pt2"
     bad.write_text("nope")

@@ -180,3 +180,28 @@ def test_a_manifest_whose_blob_is_gone_is_not_served_and_is_replaced_on_publish(
     assert store.publish_manifest("k3", second)
     assert store.complete_manifest("k3") == (second, None)
     assert not store.publish_manifest("k3", {**second, "n": 3})  # a complete one stands, as ever
+
+
+def test_a_local_store_on_a_full_disk_says_so_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A write that fails midway (here os.fsync answers ENOSPC, as a full disk does) raises the
+    store's error, not a bare OSError that ends the job, and one a retry would not fix."""
+    import errno
+    import os
+
+    from storage import StoreUnwritable, store_from_uri
+
+    store = store_from_uri(str(tmp_path / "store"))
+    source = tmp_path / "artifact"
+    source.write_bytes(b"x" * 1000)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StoreUnwritable, match=r"write file://.*/jobs/j/status.json failed: No space left on device "
+                                              r"\(its disk is full: free space there, or run `farm gc`\)"):
+        store.put_job_file("j", "status.json", b"{}")
+    monkeypatch.setattr("shutil.copyfile", lambda src, dst: full(None))
+    with pytest.raises(StoreUnwritable, match="upload .* failed: No space left on device"):
+        store.put_file(source)
+    assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []  # neither temp file stayed

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, UnsafeStore
+from storage import BlobRef, CorruptBlob, Lease, LeaseInfo, Leases, Store, StoreError, StoreUnwritable, UnsafeStore
 from storage.leases import holder_here
 from storage.signing import UntrustedDocument
 from storage.tuning import get_measurements, put_measurements
@@ -176,7 +176,7 @@ def run_unit(unit: Unit, store: Store, sandbox: Sandbox | None = None, body: Bod
         except Exception as e:  # a library blew up mid-phase: still a value, with the traceback in the log
             result.error = f"graph {unit.graph} ({unit.target.label}): {phases.current} failed: {type(e).__name__}: {e}"
             # the store failing (after its own attempts) is the network's or the server's: in a moment it may not
-            result.transient = isinstance(e, StoreError) and not isinstance(e, (CorruptBlob, UnsafeStore))
+            result.transient = isinstance(e, StoreError) and not isinstance(e, (CorruptBlob, UnsafeStore, StoreUnwritable))
             result.retryable = result.transient or phases.current in ("fetch", "upload", "lease")
             result.failed_in = phases.current
             log.note(f"FAILED in {phases.current}")
