@@ -10,6 +10,7 @@ vanishing under it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 from storage.backend import Backend
 from storage.store import BlobRef, Store, sha256_file
 
+log = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 20 << 30
 
 
@@ -64,18 +66,24 @@ class LocalBlobCache:
         return True
 
     def add(self, src: Path, digest: str) -> None:
+        """Keep a copy, if the disk lets it: a cache that cannot take one (its disk full) costs a
+        download later, never the unit that was uploading or fetching it."""
         dest = self._path(digest)
-        if dest.exists():
-            os.utime(dest)
-            return
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{digest[:12]}.", suffix=".tmp")
-        os.close(fd)
         try:
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+            if dest.exists():
+                os.utime(dest)
+                return
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{digest[:12]}.", suffix=".tmp")
+            os.close(fd)
+            try:
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, dest)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("local blob cache %s: %s not kept (%s)", self.root, digest[:12], e.strerror or e)
+            return
         self.evict()
 
     def drop(self, digest: str) -> None:

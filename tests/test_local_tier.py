@@ -7,6 +7,7 @@ import os
 import pytest
 
 from storage import CacheConfig, TieredStore, store_from_uri
+from storage.store import blob_path
 from storage.tiered import LocalBlobCache
 
 
@@ -30,6 +31,25 @@ def test_what_a_worker_uploads_is_already_local(tiered, tmp_path):
     ref = tiered.put_file(src)
     tiered.fetch(ref.digest, tmp_path / "again")
     assert tiered.transfer.downloaded == 0 and tiered.transfer.cached == ref.size
+
+
+def test_a_full_cache_disk_costs_the_copy_not_the_upload_or_the_fetch(tiered, tmp_path, monkeypatch, caplog):
+    import errno
+    import shutil
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    src = tmp_path / "artifact"
+    src.write_bytes(b"compiled" * 100)
+    monkeypatch.setattr(shutil, "copyfile", full)  # the local store (the remote here) copies with it too
+    monkeypatch.setattr(tiered.backend, "upload_file", lambda path, f: tiered.backend.write(path, f.read_bytes()))
+    ref = tiered.put_file(src)
+    assert tiered.backend.read(blob_path(ref.digest)) == b"compiled" * 100
+    assert "not kept (No space left on device)" in caplog.text
+    assert [p for p in tiered.cache.root.rglob("*") if p.is_file()] == []  # no temp file left behind
+    monkeypatch.undo()
+    assert tiered.fetch(ref.digest, tmp_path / "again").read_bytes() == b"compiled" * 100
 
 
 def test_damaged_local_copy_is_dropped_and_fetched_again(tiered, store, tmp_path):
