@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from farm import client
-from farm.cli_common import DEFAULT_STORE, StoreOpt
+from farm.cli_common import DEFAULT_STORE, StoreOpt, interrupted
 from farm.cli_common import fail as _fail
 from farm.cli_common import open_store as _open_store
 from farm.cache_cli import register as register_cache_commands
@@ -37,7 +37,7 @@ def _run_job(start, store_uri: str) -> None:
     """Run a job through the Python API (`start(events)` → JobHandle) with a live bar, then the
     results table and what to do next."""
     from farm.console import SUMMARY_OVER, ProgressEvents, console, failure_logs, job_tables, out, stats_line
-    from scheduler.errors import JoinFailed
+    from scheduler.errors import JobInterrupted, JoinFailed
     from storage import StoreError
 
     try:
@@ -45,6 +45,8 @@ def _run_job(start, store_uri: str) -> None:
             outcome = start(events).outcome
     except (StoreError, SpecError, JoinFailed) as e:
         raise _fail(str(e)) from e
+    except JobInterrupted as e:
+        raise interrupted(e.job_id, store_uri) from None
     rows = [r.to_row(outcome.job_id) for r in outcome.results]
     for table in job_tables(rows, f"job {outcome.job_id} · {outcome.wall_s:.1f} s"):
         out.print(table)

@@ -26,3 +26,12 @@ def open_store(uri: str):
         return opened(uri)
     except (ValueError, StoreError) as e:
         raise fail(str(e)) from e
+
+
+def interrupted(job_id: str, store: str) -> typer.Exit:
+    """Ctrl-C stopped a job this process ran (scheduler.errors.JobInterrupted): what became of it."""
+    from farm.console import console
+
+    console.print(f"interrupted: job {job_id} ends as cancelled. What it compiled is published, the unit in flight "
+                  f"published nothing; run it again to compile the rest (`farm status {job_id} --store {store}`)")
+    return typer.Exit(130)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from farm.cli_common import StoreOpt, fail, open_store
+from farm.cli_common import StoreOpt, fail, interrupted, open_store
 
 zoo_app = typer.Typer(no_args_is_help=True, help="The model zoo: export it, run a suite nightly, report on the history.")
 SuiteOpt = typer.Option("smoke", "--suite", help="smoke, hf, nightly, or a team's own: path/to/zoo.py or package.module:NAME")
@@ -64,6 +64,7 @@ def zoo_run(
     from farm.console import ProgressEvents, out
     from farm.nightly import run_suite
     from farm.report import write_report
+    from scheduler.errors import JobInterrupted
     from scheduler.spec import SpecError
     from storage import StoreError
 
@@ -72,6 +73,8 @@ def zoo_run(
         run = run_suite(suite, s, address=address, date=date, progress=ProgressEvents, targets=target or None)
     except (ValueError, SpecError, StoreError) as e:
         raise fail(str(e)) from e
+    except JobInterrupted as e:
+        raise interrupted(e.job_id, store) from None
     write_report(run.history.to_pylist(), report)
     counts = {k: sum(r["status"] == k for r in run.rows) for k in ("compiled", "hit", "failed", "skipped")}
     out.print(f"run {run.run_id} ({run.date}): " + ", ".join(f"{v} {k}" for k, v in counts.items())

@@ -10,3 +10,12 @@ class JoinFailed(RuntimeError):
 
 class ServiceError(RuntimeError):
     """The farm service could not be started, reached or stopped; the message says what to do."""
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) reached the process running a job in process or on its own Ray: its record
+    now says cancelled. What it published stays; the unit in flight published nothing."""
+
+    def __init__(self, job_id: str):
+        super().__init__(job_id)
+        self.job_id = job_id

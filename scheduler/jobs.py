@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
+from scheduler.errors import JobInterrupted
 from scheduler.plan import check_specializations, plan, plan_gangs
 from scheduler.spec import JobSpec, SpecError, job_to_yaml
 from scheduler.tuning import finish_tuning
@@ -264,7 +265,11 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
         status.end(state="rejected", error=str(e))
         raise
     status.planned(units + [u for gang in gangs for u in gang.ranks])
-    done = _again_if_transient(runner, units, store, status, job.limits.retries) + list(run_gangs(runner, gangs, store, status))
+    try:
+        done = _again_if_transient(runner, units, store, status, job.limits.retries) + list(run_gangs(runner, gangs, store, status))
+    except KeyboardInterrupt:  # the record must not say it still runs (`farm jobs`, `farm status`)
+        status.end(state="cancelled", error="interrupted (Ctrl-C) in the process that ran it")
+        raise JobInterrupted(outcome.job_id) from None
     outcome.results = [result for _, result in done] + finish_tuning(done, store)
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]

@@ -206,3 +206,32 @@ def test_a_unit_made_without_the_spec_is_held_to_the_same_options_rule(zoo_dir, 
     assert result.status == "failed" and result.failed_in == "lower" and not result.retryable
     assert "options refused: aot_inductor.output_path: may only be a number" in result.error
     assert list(store.manifest_keys()) == []
+
+
+def test_ctrl_c_ends_an_in_process_job_as_cancelled_with_nothing_half_published(zoo_dir, tmp_path):
+    """`farm compile` interrupted mid-unit: it says so and exits 130, the job's record says
+    cancelled (not running for ever), and only units that finished have manifests."""
+    import json
+    import signal
+    import time
+
+    store_dir = tmp_path / "store"
+    graphs = [str(zoo_dir / f"{name}.pt2") for name in ("gpt", "encoder_block", "cnn", "mlp")]
+    proc = subprocess.Popen([sys.executable, "-m", "farm", "compile", *graphs, "--store", str(store_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline, running = time.monotonic() + 120, []
+        while not running:  # a unit in flight, by the job's record
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            running = [p for p in store_dir.glob("jobs/*/status.json") if json.loads(p.read_text() or "{}").get("running_units")]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        said = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    job_id = running[0].parent.name
+    assert proc.returncode == 130 and f"interrupted: job {job_id} ends as cancelled" in said, said
+    assert "Traceback" not in said, said
+    doc = json.loads(running[0].read_text())
+    store = store_from_uri(str(store_dir))
+    assert doc["state"] == "cancelled" and doc["compiled"] < 4 and len(list(store.manifest_keys())) == doc["compiled"]
