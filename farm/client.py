@@ -122,13 +122,17 @@ class JobHandle:
 
     def results(self) -> pa.Table:
         """One row per unit (columns: storage.results.RESULTS_SCHEMA); `.to_pandas()` for a DataFrame."""
+        from scheduler.jobs import ENDED
         from storage.results import read_results_table
 
         self.wait()
         table = read_results_table(self.store, self.job_id)
         if table is None:
-            raise UnknownJob(f"job {self.job_id} has no results in {self.store.uri} yet: "
-                             f"it is {self.status()['state']}")
+            status = self.status()
+            why = f" ({status['error']})" if status.get("error") else ""
+            if status["state"] in ENDED:
+                raise UnknownJob(f"job {self.job_id} has no results in {self.store.uri}: it ended {status['state']}{why}")
+            raise UnknownJob(f"job {self.job_id} has no results in {self.store.uri} yet: it is {status['state']}")
         return table
 
     def stats(self) -> dict[str, Any]:

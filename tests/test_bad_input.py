@@ -12,6 +12,7 @@ from scheduler.spec import SpecError, parse_job
 from scheduler.jobs import execute
 from storage import store_from_uri
 from storage.results import read_results
+from tests.cli import farm
 
 pytestmark = pytest.mark.slow
 
@@ -235,3 +236,5 @@ def test_ctrl_c_ends_an_in_process_job_as_cancelled_with_nothing_half_published(
     doc = json.loads(running[0].read_text())
     store = store_from_uri(str(store_dir))
     assert doc["state"] == "cancelled" and doc["compiled"] < 4 and len(list(store.manifest_keys())) == doc["compiled"]
+    said = farm("results", job_id, "--store", str(store_dir))
+    assert f"job {job_id} has no results in file://{store_dir}: it ended cancelled (interrupted (Ctrl-C)" in said, said
