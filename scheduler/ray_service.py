@@ -49,6 +49,9 @@ def call(actor: Any, method: str, *args: Any, timeout: float = CALL_S) -> Any:
                                    f"{timeout:g}s; try again in a minute") from e
             time.sleep(0.5)
         except RayActorError as e:
+            if e.actor_init_failed:  # as it started (its store unreachable, say): the error's last line says why
+                lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+                raise ServiceError(f"the farm service could not start on the cluster: {lines[-1] if lines else e}") from e
             raise ServiceError(f"the farm service died during `{method}` ({type(e).__name__}); "
                                f"`farm serve` starts it again") from e
 

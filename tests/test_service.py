@@ -239,7 +239,7 @@ def test_the_kv_read_without_ray_agrees_with_rays_client_and_says_when_it_cannot
         gcs_kv.read_service_store("auto")
 
 
-def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_dir, tmp_path):
+def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_dir, tmp_path, monkeypatch):
     before = [j["job_id"] for j in service.jobs()]
     with pytest.raises(SpecError, match="priority"):
         client.submit({**_job(zoo_dir, ["mlp"], "bad"), "priority": "urgent"}, address=ray_cluster.address)
@@ -255,6 +255,13 @@ def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_d
     with pytest.raises(ServiceError, match="already runs"):
         start_service(str(tmp_path / "second"), ServiceConfig())
     assert call(find_service(), "ping")["store"] == service.store_uri
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with monkeypatch.context() as m:  # beside the running service: one whose store cannot be made says why
+        m.setattr("scheduler.ray_service.NAMESPACE", "farm-cannot-start")
+        with pytest.raises(ServiceError, match=r"could not start on the cluster: .*cannot create store directory"):
+            start_service(str(blocked / "store"), ServiceConfig())
+        assert find_service() is None  # stopped, its name free
     env = {**ray_cluster.env, "RAY_ADDRESS": ""}
     twice = farm_cmd(["serve", "--address", ray_cluster.address, "--store", str(tmp_path / "x")], env=env)
     assert twice.returncode == 2 and "already runs" in twice.stdout + twice.stderr
