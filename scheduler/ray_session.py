@@ -15,6 +15,7 @@ Two traps this file exists for (issue 14):
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from contextlib import contextmanager
@@ -189,6 +190,21 @@ def loopback_kept() -> Iterator[None]:
             os.environ[_NODE_LOOPBACK_ENV] = inherited
 
 
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Logger `name` says only errors inside."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
 _CURRENT: list[RaySession] = []  # the session this process opened, while Ray is up
 
 
@@ -207,10 +223,13 @@ def ray_session(address: str | None, slots: int | None = None, metrics_port: int
         ctx = join(address, namespace=NAMESPACE, log_to_driver=False)
     else:
         slots = slots or os.cpu_count() or 1
-        with loopback_kept():
+        # Ray turns token auth on for a new local cluster when RAY_AUTH_MODE is unset, and warns that
+        # RAY_AUTH_MODE=disabled opts out, which reads as advice: that one warning is not shown. Its
+        # INFO lines neither: the CLI prints the dashboard's address itself.
+        with loopback_kept(), _quiet(AUTH_LOGGER):
             ctx = ray.init(address="local", num_cpus=slots, resources=offered_resources(slots), namespace=NAMESPACE,
                            include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
-                           log_to_driver=False, _metrics_export_port=metrics_port)
+                           log_to_driver=False, _metrics_export_port=metrics_port, logging_level=logging.WARNING)
     url = ctx.dashboard_url
     session = RaySession(f"http://{url}" if url and not url.startswith("http") else url, embedded=not address,
                          address=ctx.address_info.get("gcs_address"))

@@ -38,13 +38,14 @@ def api_session(ray_cluster, zoo_dir, tmp_path_factory):
     job.write_text(yaml.safe_dump({"name": "api", "graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")],
                                    "targets": ["aoti-cpu"]}))
     store = str(d / "store")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # RAY_AUTH_MODE unset, as a newcomer's is (its token from RAY_AUTH_TOKEN, so none is written to HOME)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     # Ray's agents export every 2 s, not every 10; a gauge stays two intervals after its last export
     env["RAY_metrics_report_interval_ms"] = "2000"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "api_session.py"), str(job), store,
                            str(_free_port())], env=env, cwd=d, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return store, json.loads(proc.stdout.strip().splitlines()[-1])
+    return store, {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
 
 
 def test_the_embedded_ray_is_its_own_while_another_cluster_runs(api_session, ray_cluster):
@@ -54,6 +55,9 @@ def test_the_embedded_ray_is_its_own_while_another_cluster_runs(api_session, ray
     # …on loopback alone: its GCS, raylet, workers, dashboard and agents
     assert len(seen["listening"]) >= 5 and {address for _, address, _ in seen["listening"]} == {"127.0.0.1"}, \
         seen["listening"]
+    # token auth on, as Ray sets it for a local cluster, without Ray's advice to opt out or its INFO lines
+    assert "RAY_AUTH_MODE=disabled" not in seen["stderr"] and "Started a local Ray instance" not in seen["stderr"], \
+        seen["stderr"][-3000:]
 
 
 def test_a_job_then_its_repeat_are_counted_in_rays_metrics(api_session):
