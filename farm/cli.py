@@ -60,8 +60,7 @@ def _run_job(start, store_uri: str) -> None:
     out.print(stats_line(outcome.stats))
     done = next((r for r in outcome.results if r.status in ("compiled", "hit")), None)
     if done:
-        name = ("model.pte" if done.target.startswith("executorch") else
-                "artifact.tar" if done.target.endswith("+train") or done.target.startswith("aot-compile") else "model.pt2")
+        name = client.artifact_file_name(done.target)
         out.print(f"Fetch one (it prints how to load it): farm fetch {done.key[:16]} {name} --store {store_uri}")
     if outcome.count("compiled"):
         out.print(f"Why were there misses? farm explain --job {outcome.job_id} --store {store_uri}")
@@ -272,6 +271,8 @@ def fetch(
         facts = client.fetch(key, dest, _open_store(store))
     except (StoreError, ValueError) as e:
         raise _fail(str(e)) from e
+    except OSError as e:  # where it was asked to write
+        raise _fail(f"cannot write {dest}: {e.strerror or e}; give a path in a directory you can write") from e
     if as_json:
         _json(facts)
         return

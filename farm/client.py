@@ -240,9 +240,17 @@ def run(spec: JobSpec | dict | str | Path, store: str | Store | None = None, wai
     return _start(spec, store, wait, events or NoEvents(), lambda job, s, job_id, ev: execute(job, s, events=ev, job_id=job_id))
 
 
+def artifact_file_name(target: str) -> str:
+    """What a unit's artifact is called when no name is given: by what its target builds."""
+    if target.startswith("executorch"):
+        return "model.pte"
+    return "artifact.tar" if target.endswith("+train") or target.startswith("aot-compile") else "model.pt2"
+
+
 def fetch(key: str, dest: str | Path, store: str | Store | None = None) -> dict[str, Any]:
-    """Download a unit's artifact (key or unique prefix) to dest, checked against its digest; what
-    it is and how to load it."""
+    """Download a unit's artifact (key or unique prefix) to dest (a file, or a directory to put it
+    in under its usual name: artifact_file_name), checked against its digest; what it is and how
+    to load it."""
     from storage.signing import describe
 
     s = open_store(store)
@@ -255,7 +263,8 @@ def fetch(key: str, dest: str | Path, store: str | Store | None = None) -> dict[
         raise UnknownKey(f"no manifest for key {full} in {s.uri}; `farm results JOB` lists a job's keys")
     s.note_use(full, manifest)
     ref = manifest["blobs"]["artifact"]
-    path = s.fetch(ref["digest"], Path(dest))
+    dest = Path(dest)
+    path = s.fetch(ref["digest"], dest / artifact_file_name(manifest["target"]) if dest.is_dir() else dest)
     facts = manifest.get("artifact", {})
     return {"key": full, "graph": manifest["graph"], "target": manifest["target"], "path": str(path),
             "bytes": ref["size"], "sha256": ref["digest"], "signature": describe(manifest),

@@ -62,6 +62,12 @@ def test_pin_du_and_gc_from_the_command_line(zoo_dir, tmp_path):
     assert list(store.manifest_keys()) == [keys["mlp"]]  # the pinned one stays, and everything it needs
     fetched = json.loads(farm("fetch", keys["mlp"], str(tmp_path / "mlp.pt2"), "--json", "--store", d))
     assert (tmp_path / "mlp.pt2").stat().st_size == fetched["bytes"]
+    (tmp_path / "into").mkdir()  # a directory: the artifact goes in under its usual name, as cp would put it
+    into = json.loads(farm("fetch", keys["mlp"], str(tmp_path / "into"), "--json", "--store", d))
+    assert into["path"] == str(tmp_path / "into" / "model.pt2") and (tmp_path / "into" / "model.pt2").is_file()
+    (tmp_path / "a-file").write_text("")
+    said = farm("fetch", keys["mlp"], str(tmp_path / "a-file" / "m.pt2"), "--store", d)
+    assert f"cannot write {tmp_path / 'a-file' / 'm.pt2'}: " in said and "Traceback" not in said, said
     assert "error" in farm("fetch", keys["cnn"], str(tmp_path / "cnn.pt2"), "--store", d)
 
     assert "unpinned release-1" in farm("unpin", "release-1", "--store", d)
