@@ -324,8 +324,11 @@ def keygen(folder: Path = typer.Argument(..., help="where to write signing.pem a
 
     try:
         private, public = make_keys(folder)
-    except FileExistsError as e:
-        raise _fail(f"{folder}/signing.pem exists; pick an empty folder (never overwrite a signing key)") from e
+    except OSError as e:
+        if (folder / "signing.pem").exists():
+            raise _fail(f"{folder}/signing.pem exists; pick an empty folder (never overwrite a signing key)") from e
+        why = "it is a file" if folder.is_file() else e.strerror or e
+        raise _fail(f"cannot write keys into {folder}: {why}; pick a folder you can write") from e
     out.print(f"wrote {private} (private: keep it on workers only, as FARM_SIGNING_KEY) and {public} "
               f"(FARM_VERIFY_KEY for every consumer)")
 

@@ -115,3 +115,16 @@ def test_shared_autotune_timings_are_signed_and_unsigned_shards_ignored(keys, mo
     _consumer(monkeypatch, keys)
     entries, refused = inductor_entries(store_from_uri(uri), "fp")
     assert entries == [("mm", "inputs", "fp32", "other", 0.25)] and len(refused) == 1
+
+
+def test_keygen_from_the_command_line_never_overwrites_a_key_and_says_where_it_cannot_write(tmp_path):
+    from tests.cli import farm
+
+    said = farm("keygen", str(tmp_path / "keys"))
+    assert f"wrote {tmp_path / 'keys' / 'signing.pem'}" in said
+    private = (tmp_path / "keys" / "signing.pem").read_bytes()
+    assert (tmp_path / "keys" / "signing.pem").stat().st_mode & 0o777 == 0o600
+    assert "signing.pem exists; pick an empty folder" in farm("keygen", str(tmp_path / "keys"))
+    assert (tmp_path / "keys" / "signing.pem").read_bytes() == private
+    (tmp_path / "a-file").write_text("")
+    assert f"cannot write keys into {tmp_path / 'a-file'}: it is a file" in farm("keygen", str(tmp_path / "a-file"))
