@@ -118,8 +118,6 @@ def test_shared_autotune_timings_are_signed_and_unsigned_shards_ignored(keys, mo
 
 
 def test_keygen_from_the_command_line_never_overwrites_a_key_and_says_where_it_cannot_write(tmp_path):
-    from tests.cli import farm
-
     said = farm("keygen", str(tmp_path / "keys"))
     assert f"wrote {tmp_path / 'keys' / 'signing.pem'}" in said
     private = (tmp_path / "keys" / "signing.pem").read_bytes()
