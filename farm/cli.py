@@ -312,6 +312,8 @@ def trace(
         index = log_file if raw else render(log_file, out / "report")
     except (TraceError, StoreError, ValueError) as e:
         raise _fail(str(e)) from e
+    except OSError as e:  # where it was asked to write
+        raise _fail(f"cannot write the report into {out}: {e.strerror or e}; give --out a folder you can write") from e
     stdout.print(escape(f"{found.graph}@{found.target} ({found.status}, key {found.key[:16]}…): {index}"))
 
 
