@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from farm import client
-from farm.cli_common import DEFAULT_STORE, StoreOpt, interrupted
+from farm.cli_common import DEFAULT_STORE, StoreOpt, cannot_write, interrupted
 from farm.cli_common import fail as _fail
 from farm.cli_common import open_store as _open_store
 from farm.cache_cli import register as register_cache_commands
@@ -272,7 +272,7 @@ def fetch(
     except (StoreError, ValueError) as e:
         raise _fail(str(e)) from e
     except OSError as e:  # where it was asked to write
-        raise _fail(f"cannot write {dest}: {e.strerror or e}; give a path in a directory you can write") from e
+        raise cannot_write(dest, e) from e
     if as_json:
         _json(facts)
         return
@@ -313,7 +313,7 @@ def trace(
     except (TraceError, StoreError, ValueError) as e:
         raise _fail(str(e)) from e
     except OSError as e:  # where it was asked to write
-        raise _fail(f"cannot write the report into {out}: {e.strerror or e}; give --out a folder you can write") from e
+        raise cannot_write(out, e) from e
     stdout.print(escape(f"{found.graph}@{found.target} ({found.status}, key {found.key[:16]}…): {index}"))
 
 

@@ -35,3 +35,8 @@ def interrupted(job_id: str, store: str) -> typer.Exit:
     console.print(f"interrupted: job {job_id} ends as cancelled. What it compiled is published, the unit in flight "
                   f"published nothing; run it again to compile the rest (`farm status {job_id} --store {store}`)")
     return typer.Exit(130)
+
+
+def cannot_write(path, e: OSError) -> typer.Exit:
+    """A path the user named that this process could not write: which, and why; no traceback."""
+    return fail(f"cannot write {path}: {e.strerror or e}; give a path where you can write")

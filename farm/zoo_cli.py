@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from farm.cli_common import StoreOpt, fail, interrupted, open_store
+from farm.cli_common import StoreOpt, cannot_write, fail, interrupted, open_store
 
 zoo_app = typer.Typer(no_args_is_help=True, help="The model zoo: export it, run a suite nightly, report on the history.")
 SuiteOpt = typer.Option("smoke", "--suite", help="smoke, hf, nightly, or a team's own: path/to/zoo.py or package.module:NAME")
@@ -44,6 +44,8 @@ def zoo_export(dest: Path, model: list[str] = typer.Option([], "--model", help="
         paths = export_zoo(dest, model or None)
     except (ValueError, ModuleNotFoundError) as e:
         raise fail(str(e)) from e
+    except OSError as e:
+        raise cannot_write(dest, e) from e
     for p in paths:
         out.print(f"wrote {p}")
     out.print(f"wrote {dest / 'job.yaml'} (farm submit {dest / 'job.yaml'})")
@@ -75,7 +77,10 @@ def zoo_run(
         raise fail(str(e)) from e
     except JobInterrupted as e:
         raise interrupted(e.job_id, store) from None
-    write_report(run.history.to_pylist(), report)
+    try:
+        write_report(run.history.to_pylist(), report)
+    except OSError as e:  # the run is in the store's history: `farm zoo report` writes it again
+        raise cannot_write(report, e) from e
     counts = {k: sum(r["status"] == k for r in run.rows) for k in ("compiled", "hit", "failed", "skipped")}
     out.print(f"run {run.run_id} ({run.date}): " + ", ".join(f"{v} {k}" for k, v in counts.items())
               + f". History: {s.uri}/history · report: {report}")
@@ -99,7 +104,11 @@ def zoo_report(store: str = StoreOpt, report: Path = ReportOpt) -> None:
         raise fail(str(e)) from e
     if not rows:
         raise fail(f"no history in {store}: run `farm zoo run --store {store}` first")
-    out.print(f"wrote {write_report(rows, report)} ({len({r['run_id'] for r in rows})} runs)")
+    try:
+        written = write_report(rows, report)
+    except OSError as e:
+        raise cannot_write(report, e) from e
+    out.print(f"wrote {written} ({len({r['run_id'] for r in rows})} runs)")
 
 
 def _print_regressions(regressions) -> None:

@@ -152,3 +152,15 @@ def entry_output(entry, args, kwargs):
     model = entry.build().eval()
     with torch.no_grad():
         return model(*args, **kwargs)
+
+
+def test_a_report_or_an_export_where_nothing_can_be_written_is_said_in_a_line(two_nights, tmp_path):
+    from tests.cli import farm
+
+    store, _, _ = two_nights
+    (tmp_path / "a-file").write_text("")
+    for args, where in ((["zoo", "report", "--store", str(store), "--report", str(tmp_path / "a-file" / "r.html")],
+                         tmp_path / "a-file" / "r.html"),
+                        (["zoo", "export", str(tmp_path / "a-file" / "zoo")], tmp_path / "a-file" / "zoo")):
+        said = farm(*args)
+        assert f"cannot write {where}: " in said and "Traceback" not in said, said
