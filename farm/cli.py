@@ -196,7 +196,7 @@ def resources(slots: Optional[int] = typer.Option(None, help="CPU compile worker
     """The Ray resources this host offers the farm, as JSON: ray start --resources "$(farm resources)"."""
     import json
 
-    from workers.backends import offered_resources
+    from workers.backends import LoweringError, offered_resources
     from workers.sandbox import jail
 
     try:
@@ -205,7 +205,11 @@ def resources(slots: Optional[int] = typer.Option(None, help="CPU compile worker
         raise _fail(str(e)) from e
     typer.echo(f"sandbox: {jail.describe(isolation)}", err=True)  # stdout stays the resources, for ray start
     _say_unusable_bytecode()
-    typer.echo(json.dumps(offered_resources(slots or os.cpu_count() or 1)))
+    try:
+        offered = offered_resources(slots or os.cpu_count() or 1)
+    except LoweringError as e:  # what this host lacks to build: a compiler
+        raise _fail(str(e)) from e
+    typer.echo(json.dumps(offered))
 
 
 def _say_unusable_bytecode() -> None:

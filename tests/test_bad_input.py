@@ -2,6 +2,7 @@
 saying what to do, nothing is published for it, and the good graph still compiles."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -238,3 +239,21 @@ def test_ctrl_c_ends_an_in_process_job_as_cancelled_with_nothing_half_published(
     assert doc["state"] == "cancelled" and doc["compiled"] < 4 and len(list(store.manifest_keys())) == doc["compiled"]
     said = farm("results", job_id, "--store", str(store_dir))
     assert f"job {job_id} has no results in file://{store_dir}: it ended cancelled (interrupted (Ctrl-C)" in said, said
+
+
+def test_a_host_without_a_compiler_is_told_to_install_one(zoo_dir, tmp_path):
+    """`farm resources` (a node's set-up) and a CPU unit on such a host: one line that says what to
+    install, not Inductor's probe failing deep in a traceback."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-g++")}
+    says = f"the C++ compiler CXX='{tmp_path / 'no-g++'}' is not installed here, or cannot be run"
+    offered = subprocess.run([sys.executable, "-m", "farm", "resources"], env=env, capture_output=True, text=True,
+                             timeout=300, stdin=subprocess.DEVNULL)
+    assert offered.returncode == 2 and says in offered.stderr and "apt-get install g++" in offered.stderr, offered.stderr
+    assert offered.stdout == "" and "Traceback" not in offered.stderr
+    compiled = subprocess.run([sys.executable, "-m", "farm", "compile", str(zoo_dir / "mlp.pt2"), "--store",
+                               str(tmp_path / "store")], env=env, capture_output=True, text=True, timeout=600,
+                              stdin=subprocess.DEVNULL)
+    assert compiled.returncode == 1 and "0 compiled" in compiled.stdout, compiled.stdout + compiled.stderr
+    [job_dir] = (tmp_path / "store" / "jobs").iterdir()
+    [row] = read_results(store_from_uri(str(tmp_path / "store")), job_dir.name)
+    assert row["status"] == "failed" and says in row["error"], row

@@ -179,6 +179,9 @@ def isa_resource(isa: str) -> str:
 
 def host_resources(slots: int) -> dict[str, float]:
     """What this host offers: every ISA it can build and run, `slots` each."""
+    missing = cxx.compiler_problem()
+    if missing:  # Inductor's probes would build nothing: a node without a compiler builds no CPU code
+        raise LoweringError(missing)
     have = host_vec_isas()
     return {isa_resource(name): float(slots) for name, isa in ISAS.items() if not isa.vec_isa or isa.vec_isa in have}
 
@@ -242,6 +245,9 @@ class PinnedCpuTarget:
 
     def host_problem(self, target: Target) -> str | None:
         name, isa = self.isa(target)
+        missing = cxx.compiler_problem()
+        if missing:
+            return missing
         if isa.vec_isa and not host_runs(isa.vec_isa):
             have = host_vec_isas()
             return f"this host cannot build or run {name} code (it has: {', '.join(sorted(have)) or 'no vector ISA'})"

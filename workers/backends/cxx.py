@@ -56,12 +56,23 @@ def _minor(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def compiler_problem() -> str | None:
+    """Why there is no C++ compiler to run here (none installed, $CXX naming nothing runnable), or None.
+    Asked before anything that builds: Inductor's ISA probes would fail with less to go on."""
+    if shutil.which(compiler()["cxx"]):
+        return None
+    named = f"CXX={os.environ['CXX']!r}" if os.environ.get("CXX") else repr(compiler()["cxx"])
+    return (f"the C++ compiler {named} is not installed here, or cannot be run; Inductor's CPU code and "
+            f"AOTInductor packages need one: install g++ (apt-get install g++), or set CXX to a compiler")
+
+
 @functools.cache
 def libstdcxx_problem() -> str | None:
     """Why code built by the compiler would not load here (its libstdc++ is newer than ours), or None."""
+    missing = compiler_problem()
+    if missing:
+        return missing
     path = shutil.which(compiler()["cxx"])
-    if not path:
-        return f"the C++ compiler {compiler()['cxx']!r} is not installed; AOTInductor needs one (set CXX)"
     built = _run([path, "-print-file-name=libstdc++.so.6"])
     try:  # the one torch would run with: a worker that imports no torch may not have loaded any yet
         ctypes.CDLL("libstdc++.so.6")
