@@ -5,6 +5,7 @@ and its defaults are the workers' own policies (VerifyPolicy, BenchPolicy, UnitL
 default is defined once: the command line's defaults are read from here."""
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -254,11 +255,25 @@ class JobSpec(_Strict):
         return str((Path(self.base_dir) / path).resolve())
 
 
+def _field_names() -> set[str]:
+    """Every field a job spec has, at any depth (what a misspelt one is matched against)."""
+    models, names = list(_Strict.__subclasses__()), set()
+    while models:
+        model = models.pop()
+        names |= set(model.model_fields)
+        models += model.__subclasses__()
+    return names
+
+
 def _format(e: ValidationError, source: str) -> str:
     lines = [f"{source}: the job spec is invalid:"]
     for err in e.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  {where}: {err['msg']}")
+        hint = ""
+        if err["type"] == "extra_forbidden" and err["loc"]:
+            close = difflib.get_close_matches(str(err["loc"][-1]), _field_names() - {"base_dir"}, n=1, cutoff=0.75)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+        lines.append(f"  {where}: {err['msg']}{hint}")
     lines.append("  see README.md 'Job spec' for every field")
     return "\n".join(lines)
 

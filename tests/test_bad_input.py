@@ -121,6 +121,17 @@ def test_invalid_job_file_names_the_field(tmp_path):
     assert f"{job}: the job spec is invalid" in proc.stderr and "verify.atol" in proc.stderr
 
 
+def test_a_misspelt_field_is_named_with_the_one_meant():
+    with pytest.raises(SpecError) as e:
+        parse_job({"graphs": ["a.pt2"], "target": ["aoti-cpu"], "limit": {"workers": 2}, "verify": {"atoll": 1},
+                   "colour": "blue"}, "job.yaml")
+    said = str(e.value)
+    assert "target: Extra inputs are not permitted (did you mean `targets`?)" in said
+    assert "limit: Extra inputs are not permitted (did you mean `limits`?)" in said
+    assert "verify.atoll: Extra inputs are not permitted (did you mean `atol`?)" in said
+    assert "colour: Extra inputs are not permitted\n" in said  # nothing close: no guess
+
+
 @pytest.mark.parametrize("options, says", [
     ({"cpp.cxx": [None, "/bin/false"]}, "cpp.cxx: may only be a number, a boolean or null"),
     ({"aot_inductor.output_path": "/tmp/torchinductor_nobody/x.so"}, "aot_inductor.output_path: may only be"),
