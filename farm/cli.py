@@ -185,7 +185,10 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
                       f"(`farm status {job_id} --watch {where}`, `farm cancel {job_id}`)")
         raise typer.Exit(130) from None
     if doc["state"] != "done":
-        raise _fail(f"job {job_id} {doc['state']}" + (f": {doc['error']}" if doc.get("error") else ""), code=1)
+        from scheduler.jobs import silence_note
+
+        why = doc.get("error") or silence_note(doc)
+        raise _fail(f"job {job_id} {doc['state']}" + (f": {why}" if why else ""), code=1)
     if any(r["status"] == "failed" for r in _print_results(handle, service.store_uri)):
         raise typer.Exit(1)
     return True
@@ -244,6 +247,8 @@ def status(
     """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""
     from farm.console import console, out, status_line, watch_status
 
+    from scheduler.jobs import ENDED
+
     handle = _job_handle(job_id, store)
     if watch:
         doc = watch_status(handle.status, every, to=console if as_json else out)  # stdout: the JSON alone
@@ -255,7 +260,9 @@ def status(
                 doc = {**doc, "stats": handle.stats()}
         _json(doc)
     elif not watch:
-        out.print(status_line(doc))
+        out.print(status_line(doc), soft_wrap=True)
+    if watch and doc["state"] not in ENDED:  # its process stopped without ending it: said in its status line
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -194,9 +194,12 @@ _COUNTS = ("total", "queued", "running", "compiled", "hit", "failed", "retries")
 
 
 def status_line(doc: dict) -> str:
+    from scheduler.jobs import silence_note
+
     counts = " · ".join(f"{k} {doc.get(k, 0)}" for k in _COUNTS)
     updated = f" · updated {doc['updated_at']}" if doc.get("updated_at") else ""  # none while the job waits in an inbox
-    return escape(f"{doc['job_id']}: {doc['state']} · {counts}{updated}")
+    silent = silence_note(doc)
+    return escape(f"{doc['job_id']}: {doc['state']} · {counts}{updated}" + (f" · {silent}" if silent else ""))
 
 
 def status_table(doc: dict) -> Table:
@@ -211,20 +214,21 @@ def status_table(doc: dict) -> Table:
 
 
 def watch_status(read, every: float, to: Console = out) -> dict:
-    """Follow the job's status document in the store until the job ends: read soon at first (a job
-    of hits ends in a fraction of a second), then every `every` seconds. On a terminal, a live
-    table of the counts and the units in flight, which gives way to the final status line; in a
-    log (CI, a pipe), a status line each time the counts change, the last one the final state."""
+    """Follow the job's status document in the store until the job ends, or is found to have no
+    process running it any more (scheduler.jobs.silent_for): read soon at first (a job of hits
+    ends in a fraction of a second), then every `every` seconds. On a terminal, a live table of
+    the counts and the units in flight, which gives way to the final status line; in a log (CI, a
+    pipe), a status line each time the counts change, the last one the final state."""
     from rich.live import Live
 
-    from scheduler.jobs import ENDED
+    from scheduler.jobs import ENDED, silent_for
 
     doc = read()
     soon = time.monotonic() + 2.0
 
     def follow(show) -> dict:
         current = doc
-        while current["state"] not in ENDED:
+        while current["state"] not in ENDED and silent_for(current) is None:
             time.sleep(min(every, 0.05) if time.monotonic() < soon else every)
             current = read()
             show(current)

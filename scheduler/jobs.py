@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "status.json"
 ENDED = ("done", "rejected", "cancelled", "failed")  # a job's states once it will change no more
 WRITE_EVERY_S = 1.0  # status.json is written at most this often, and a change at most this late
+BEAT_S = 60.0  # ...and at least this often while the job runs, so a reader can tell a job nobody runs any more
+SILENT_S = 600.0  # a planning or running job whose record is older than this: its process has stopped
 TRANSIENT_PAUSE_S = 5.0  # before the first run again of units the store failed; doubles each round
 KEYS_FILE = "keys.json"  # every unit's key and its components, so `farm explain --job` can diff misses
 OUTCOME_FILE = "outcome.json"  # every unit's whole result but its key components, for a client that did not run the job
@@ -132,8 +134,31 @@ def empty_status(job_id: str, state: str) -> dict[str, Any]:
             "failed": 0, "skipped": 0, "retries": 0, "running_units": []}
 
 
+def silent_for(doc: dict[str, Any], now: float | None = None) -> float | None:
+    """Seconds since a planning or running job's record was written, where that is over SILENT_S:
+    the process running it writes it every BEAT_S, so it has stopped (killed, its machine gone)
+    without saying so. None for a job that ended, waits in an inbox or was heard from lately."""
+    if doc.get("state") not in ("planning", "running") or not doc.get("updated_at"):
+        return None
+    try:
+        quiet = (time.time() if now is None else now) - dt.datetime.fromisoformat(doc["updated_at"]).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return quiet if quiet > SILENT_S else None
+
+
+def silence_note(doc: dict[str, Any]) -> str | None:
+    """What a reader says of a job whose process stopped without ending it (silent_for), or None."""
+    quiet = silent_for(doc)
+    if quiet is None:
+        return None
+    return (f"nothing heard from it for {quiet / 60:.0f} min (it writes its record every {BEAT_S:.0f} s while it "
+            f"runs): the process running it has stopped; run the job again, and what it published is a hit")
+
+
 class StatusFile:
-    """Counts the job's progress and writes it to the store (at most once a second)."""
+    """Counts the job's progress and writes it to the store (at most once a second, and at least
+    every BEAT_S until it ends: silent_for)."""
 
     def __init__(self, store: Store, job_id: str, inner: Events):
         self.store, self.job_id, self.inner = store, job_id, inner
@@ -142,7 +167,13 @@ class StatusFile:
         self._written = 0.0
         self._lock = threading.RLock()  # events come from the job's thread, a late write from a timer's
         self._later: threading.Timer | None = None
+        self._ended = threading.Event()
         self.write(force=True)
+        threading.Thread(target=self._beat, name=f"farm-status-{job_id}", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._ended.wait(BEAT_S):
+            self.write(force=True)
 
     def write(self, force: bool = False) -> None:
         """Progress for watchers: a write the store refuses is logged and made up by the next one,
@@ -166,8 +197,11 @@ class StatusFile:
             self._written = time.monotonic()
 
     def end(self, **fields: Any) -> None:
-        """The job's final state, written now."""
+        """The job's final state, written now; the first one said stands."""
         with self._lock:
+            if self._ended.is_set():
+                return
+            self._ended.set()
             self.doc.update(fields)
             self.write(force=True)
 
@@ -257,19 +291,26 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     outcome = JobOutcome(job_id or new_job_id(job.name), store.uri)
     store.put_job_file(outcome.job_id, "job.yaml", job_to_yaml(job).encode())
     status = StatusFile(store, outcome.job_id, events)
-    units = plan(job, store)
-    gangs = plan_gangs(job, store)
-    try:
-        check_specializations(job, store, units)
+    try:  # whatever stops it, the record must not say it still runs (`farm jobs`, `farm status`)
+        return _execute(job, store, runner, status, outcome, start)
+    except KeyboardInterrupt:
+        status.end(state="cancelled", error="interrupted (Ctrl-C) in the process that ran it")
+        raise JobInterrupted(outcome.job_id) from None
     except SpecError as e:
         status.end(state="rejected", error=str(e))
         raise
+    except BaseException as e:
+        status.end(state="failed", error=f"{type(e).__name__}: {e}")
+        raise
+
+
+def _execute(job: JobSpec, store: Store, runner: Runner, status: StatusFile, outcome: JobOutcome,
+             start: float) -> JobOutcome:
+    units = plan(job, store)
+    gangs = plan_gangs(job, store)
+    check_specializations(job, store, units)
     status.planned(units + [u for gang in gangs for u in gang.ranks])
-    try:
-        done = _again_if_transient(runner, units, store, status, job.limits.retries) + list(run_gangs(runner, gangs, store, status))
-    except KeyboardInterrupt:  # the record must not say it still runs (`farm jobs`, `farm status`)
-        status.end(state="cancelled", error="interrupted (Ctrl-C) in the process that ran it")
-        raise JobInterrupted(outcome.job_id) from None
+    done = _again_if_transient(runner, units, store, status, job.limits.retries) + list(run_gangs(runner, gangs, store, status))
     outcome.results = [result for _, result in done] + finish_tuning(done, store)
     outcome.wall_s = time.perf_counter() - start
     rows = [r.to_row(outcome.job_id) for r in outcome.results]

@@ -268,3 +268,41 @@ def test_a_host_without_a_compiler_is_told_to_install_one(zoo_dir, tmp_path):
     [job_dir] = (tmp_path / "store" / "jobs").iterdir()
     [row] = read_results(store_from_uri(str(tmp_path / "store")), job_dir.name)
     assert row["status"] == "failed" and says in row["error"], row
+
+
+def test_a_job_whose_process_died_is_said_to_have_stopped_and_a_watch_ends(tmp_path, monkeypatch):
+    """A running job's record is written every BEAT_S until it ends; one not written for SILENT_S
+    (its process killed, its machine gone) reads as stopped, and `--watch` gives up on it."""
+    import json
+    import time
+
+    from scheduler import jobs
+
+    store = store_from_uri(str(tmp_path / "store"))
+    monkeypatch.setattr(jobs, "BEAT_S", 0.05)
+    status = jobs.StatusFile(store, "beating-1", jobs.NoEvents())
+    written = tmp_path / "store" / "jobs" / "beating-1" / "status.json"
+    first = written.stat().st_mtime_ns
+    time.sleep(0.5)
+    assert written.stat().st_mtime_ns > first  # beaten, with nothing new to say
+    status.end(state="done")
+    last = written.stat().st_mtime_ns
+    time.sleep(0.3)
+    assert written.stat().st_mtime_ns == last and json.loads(written.read_text())["state"] == "done"
+
+    old = dt_iso(time.time() - 20 * 60)
+    doc = {**jobs.empty_status("dead-1", "running"), "updated_at": old, "running": 1}
+    store.put_job_file("dead-1", "status.json", json.dumps(doc).encode())
+    said = farm("status", "dead-1", "--store", str(tmp_path / "store"))
+    assert "nothing heard from it for 20 min" in said and "the process running it has stopped" in said, said
+    watched = subprocess.run([sys.executable, "-m", "farm", "status", "dead-1", "--watch", "--store",
+                              str(tmp_path / "store")], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert watched.returncode == 1 and "has stopped" in watched.stdout, watched.stdout + watched.stderr
+    assert jobs.silent_for({**doc, "updated_at": dt_iso(time.time())}) is None  # heard from lately
+    assert jobs.silent_for({**doc, "state": "done"}) is None  # an ended job is never silent
+
+
+def dt_iso(seconds: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="seconds")
