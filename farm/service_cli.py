@@ -112,7 +112,8 @@ def jobs(address: Optional[str] = AddressOpt,
          as_json: bool = typer.Option(False, "--json", help="print the jobs as a JSON list"),
          store: Optional[str] = typer.Option(None, "--store", help="read them from the service's store instead: "
                                                                    "no Ray needed (counts lag by about a second)")) -> None:
-    """Queued, running and recently ended jobs of the farm service, with progress and priority."""
+    """Queued, running and recently ended jobs of the farm service, with progress and priority;
+    with --store, also the latest jobs that ran without one."""
     from rich.table import Table
 
     from farm.console import out
@@ -130,7 +131,7 @@ def jobs(address: Optional[str] = AddressOpt,
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    table = Table(title=f"farm service jobs ({len(rows)})")
+    table = Table(title=f"jobs in {store} ({len(rows)})" if store is not None else f"farm service jobs ({len(rows)})")
     for col in ("job", "priority", "state", "progress", "queued", "running", "hit", "failed", "submitted"):
         table.add_column(col)
     for r in rows:

@@ -137,23 +137,45 @@ def _uploaded(source: str, store: Store) -> str:
 def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
     """`farm jobs --store`, with no Ray: a farm service's jobs as its store has them, oldest first
     (queued and running counts as of each job's last status write, about once a second), then
+    the latest jobs that ran without a service (`farm compile`, `run`, `submit`, a nightly), then
     jobs still waiting in its inbox."""
     from scheduler.jobs import read_status
 
     s = open_store(store)
     records = ServiceJobs(s).all()
     ended = {r.job_id for r in [r for r in records if not r.active][-ENDED_SHOWN:]}  # the latest, as the service shows
-    counted = (*COUNTED, "queued", "running")
     rows = []
     for record in [r for r in records if r.active or r.job_id in ended]:
         status = record.counts if record.counts is not None else (read_status(s, record.job_id) or {})
-        rows.append({**record.summary(), **{k: status.get(k, 0) for k in counted}})
+        rows.append({**record.summary(), **{k: status.get(k, 0) for k in _COUNTED}})
+    rows += _jobs_without_service(s, {r.job_id for r in records})
     for entry in ServiceInbox(s).entries():
         if entry.job_id is not None and entry.spec is not None:
             rows.append({"job_id": entry.job_id, "name": entry.job_id, "priority": entry.priority or DEFAULT_PRIORITY,
                          "state": "queued", "submitted_at": "", "ended_at": None, "resumed": 0,
-                         "error": "in the store's inbox: no farm service has taken it yet", **{k: 0 for k in counted}})
+                         "error": "in the store's inbox: no farm service has taken it yet", **{k: 0 for k in _COUNTED}})
     return rows
+
+
+_COUNTED = (*COUNTED, "queued", "running")
+
+
+def _jobs_without_service(store: Store, service_jobs: set[str]) -> list[dict[str, Any]]:
+    """The ENDED_SHOWN latest jobs in the store that no service ran, by their status documents
+    (one listing of jobs/, then a read each), oldest first; one whose process stopped without
+    ending it says so (scheduler.jobs.silence_note)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scheduler.jobs import STATUS_FILE, read_status, silence_note
+
+    written = {i.path.split("/")[1]: i.mtime for i in store.backend.list_info("jobs/")
+               if i.path.count("/") == 2 and i.path.endswith("/" + STATUS_FILE)}
+    latest = sorted((j for j in written if j not in service_jobs), key=written.get)[-ENDED_SHOWN:]
+    with ThreadPoolExecutor(8) as pool:
+        docs = [d for d in pool.map(lambda j: read_status(store, j), latest) if d]
+    return [{"job_id": d["job_id"], "name": d["job_id"], "priority": "-", "state": d["state"],
+             "submitted_at": d.get("started_at", ""), "ended_at": None, "resumed": 0,
+             "error": d.get("error") or silence_note(d), **{k: d.get(k, 0) for k in _COUNTED}} for d in docs]
 
 
 def cancel_in_store(store: str | Store | None, job_id: str, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -298,6 +298,9 @@ def test_a_job_whose_process_died_is_said_to_have_stopped_and_a_watch_ends(tmp_p
     watched = subprocess.run([sys.executable, "-m", "farm", "status", "dead-1", "--watch", "--store",
                               str(tmp_path / "store")], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert watched.returncode == 1 and "has stopped" in watched.stdout, watched.stdout + watched.stderr
+    listed = {r["job_id"]: r for r in json.loads(farm("jobs", "--store", str(tmp_path / "store"), "--json"))}
+    assert listed["beating-1"]["state"] == "done"  # jobs that ran without a service are listed too
+    assert listed["dead-1"]["state"] == "running" and "has stopped" in listed["dead-1"]["error"], listed
     assert jobs.silent_for({**doc, "updated_at": dt_iso(time.time())}) is None  # heard from lately
     assert jobs.silent_for({**doc, "state": "done"}) is None  # an ended job is never silent
 
