@@ -132,6 +132,16 @@ def test_a_misspelt_field_is_named_with_the_one_meant():
     assert "colour: Extra inputs are not permitted\n" in said  # nothing close: no guess
 
 
+def test_a_misspelt_target_is_named_with_the_one_meant():
+    from workers.backends import LoweringError, get_backend
+
+    with pytest.raises(LoweringError, match=r"unknown target 'aoti-cpux' \(did you mean 'aoti-cpu'\?\); known targets: "):
+        get_backend("aoti-cpux")
+    with pytest.raises(LoweringError) as nothing_close:
+        get_backend("no-such-backend")
+    assert "did you mean" not in str(nothing_close.value)
+
+
 @pytest.mark.parametrize("options, says", [
     ({"cpp.cxx": [None, "/bin/false"]}, "cpp.cxx: may only be a number, a boolean or null"),
     ({"aot_inductor.output_path": "/tmp/torchinductor_nobody/x.so"}, "aot_inductor.output_path: may only be"),

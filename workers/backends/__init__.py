@@ -1,6 +1,8 @@
 """The only place that knows which lowering backends exist."""
 from __future__ import annotations
 
+import difflib
+
 from workers.backends.base import Backend, LoweringError, Placement
 from workers.unit import Target
 
@@ -31,7 +33,9 @@ def backend_names() -> list[str]:
 def get_backend(name: str) -> Backend:
     backends = _registry()
     if name not in backends:
-        raise LoweringError(f"unknown target {name!r}; known targets: {', '.join(sorted(backends))}")
+        close = difflib.get_close_matches(name, backends, n=1, cutoff=0.75)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise LoweringError(f"unknown target {name!r}{meant}; known targets: {', '.join(sorted(backends))}")
     return backends[name]
 
 
