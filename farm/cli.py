@@ -247,7 +247,7 @@ def status(
     """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""
     from farm.console import console, out, status_line, watch_status
 
-    from scheduler.jobs import ENDED
+    from scheduler.jobs import ENDED, silent_for
 
     handle = _job_handle(job_id, store)
     if watch:
@@ -258,7 +258,8 @@ def status(
         if doc["state"] == "done":
             with contextlib.suppress(client.UnknownJob):  # a job cut off before its stats were written has none
                 doc = {**doc, "stats": handle.stats()}
-        _json(doc)
+        silent = silent_for(doc)
+        _json({**doc, "silent_s": round(silent)} if silent is not None else doc)  # its process stopped
     elif not watch:
         out.print(status_line(doc), soft_wrap=True)
     if watch and doc["state"] not in ENDED:  # its process stopped without ending it: said in its status line

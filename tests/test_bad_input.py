@@ -304,6 +304,7 @@ def test_a_job_whose_process_died_is_said_to_have_stopped_and_a_watch_ends(tmp_p
     doc = {**jobs.empty_status("dead-1", "running"), "updated_at": old, "running": 1}
     store.put_job_file("dead-1", "status.json", json.dumps(doc).encode())
     said = farm("status", "dead-1", "--store", str(tmp_path / "store"))
+    assert 1190 < json.loads(farm("status", "dead-1", "--json", "--store", str(tmp_path / "store")))["silent_s"] < 1300
     assert "nothing heard from it for 20 min" in said and "the process running it has stopped" in said, said
     watched = subprocess.run([sys.executable, "-m", "farm", "status", "dead-1", "--watch", "--store",
                               str(tmp_path / "store")], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
