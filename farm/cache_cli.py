@@ -18,12 +18,12 @@ def cache_serve(
     store: str = StoreOpt,
     tokens: str = typer.Option(..., "--tokens", help="a file of 'NAME ROLE TOKEN' lines, ROLE read or write (chmod 600)"),
     host: str = typer.Option("127.0.0.1", "--host", help="the address to listen on (loopback unless --tls-cert)"),
-    port: int = typer.Option(6380, "--port", help="the port to listen on"),
+    port: int = typer.Option(6380, "--port", min=0, max=65535, help="the port to listen on"),
     max_value_mb: float = typer.Option(64.0, "--max-value-mb", help="a larger SET is refused"),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="serve TLS (clients use rediss://) with this "
                                                                     "certificate chain (PEM)"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="the certificate's private key (PEM)"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on "
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", min=1, max=65535, help="serve Prometheus metrics on "
                                                "127.0.0.1:PORT/metrics (farm_remote_cache_*_total, by cache kind)"),
 ) -> None:
     """Serve the store to stock torch's remote caches until Ctrl-C: set

@@ -118,10 +118,10 @@ def submit(
     job_file: Path = typer.Argument(..., help="job spec (YAML)"),
     store: str = StoreOpt,
     address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)"),
-    workers: Optional[int] = typer.Option(None, help="workers per device class (default: the job's limits, else every slot)"),
-    timeout: Optional[float] = typer.Option(None, help="seconds before a unit is failed as timeout (default: the job's)"),
-    retries: Optional[int] = typer.Option(None, help="re-queues of a unit whose worker died (default: the job's)"),
-    metrics_port: Optional[int] = typer.Option(None, help="an embedded Ray's Prometheus endpoint (127.0.0.1:PORT/metrics)"),
+    workers: Optional[int] = typer.Option(None, min=1, help="workers per device class (default: the job's limits, else every slot)"),
+    timeout: Optional[float] = typer.Option(None, min=1, help="seconds before a unit is failed as timeout (default: the job's)"),
+    retries: Optional[int] = typer.Option(None, min=0, help="re-queues of a unit whose worker died (default: the job's)"),
+    metrics_port: Optional[int] = typer.Option(None, min=1, max=65535, help="an embedded Ray's Prometheus endpoint (127.0.0.1:PORT/metrics)"),
     priority: Optional[PriorityChoice] = typer.Option(None, help="a farm service's share for the job (default: the spec's, else batch)"),
     detach: bool = typer.Option(False, "--detach", help="with a farm service: print the job id and return at once"),
 ) -> None:
@@ -195,7 +195,7 @@ def _submit_to_service(job: JobSpec, store: str, address: str | None, workers: i
 
 
 @app.command()
-def resources(slots: Optional[int] = typer.Option(None, help="CPU compile workers on this node (default: its cores)")) -> None:
+def resources(slots: Optional[int] = typer.Option(None, min=1, help="CPU compile workers on this node (default: its cores)")) -> None:
     """The Ray resources this host offers the farm, as JSON: ray start --resources "$(farm resources)"."""
     import json
 
@@ -241,7 +241,7 @@ def status(
     job_id: str = typer.Argument(..., help="job id (or a unique prefix)"),
     store: str = StoreOpt,
     watch: bool = typer.Option(False, "--watch", "-w", help="follow the job until it ends: a live table on a terminal, a line per change in a log"),
-    every: float = typer.Option(2.0, help="seconds between reads of the store, with --watch"),
+    every: float = typer.Option(2.0, min=0.1, help="seconds between reads of the store, with --watch"),
     as_json: bool = typer.Option(False, "--json", help="print the status document as JSON"),
 ) -> None:
     """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""

@@ -39,10 +39,10 @@ def serve(
     address: Optional[str] = AddressOpt,
     store: str = StoreOpt,
     stop: bool = typer.Option(False, "--stop", help="end the running service, and say what became of its units"),
-    max_workers: Optional[int] = typer.Option(None, help="compile workers in all (default: every CPU the cluster offers)"),
-    min_workers: int = typer.Option(0, help="workers kept up while idle"),
-    retries: int = typer.Option(2, help="re-queues of a unit whose worker died"),
-    cache_port: Optional[int] = typer.Option(None, "--cache-port", help="also serve the store to PyTorch's own "
+    max_workers: Optional[int] = typer.Option(None, min=1, help="compile workers in all (default: every CPU the cluster offers)"),
+    min_workers: int = typer.Option(0, min=0, help="workers kept up while idle"),
+    retries: int = typer.Option(2, min=0, help="re-queues of a unit whose worker died"),
+    cache_port: Optional[int] = typer.Option(None, "--cache-port", min=0, max=65535, help="also serve the store to PyTorch's own "
                                              "remote caches on this port (as `farm cache-serve`), from this node"),
     cache_tokens: Optional[str] = typer.Option(None, "--cache-tokens", help="its users: 'NAME ROLE TOKEN' lines"),
     cache_host: str = typer.Option("127.0.0.1", "--cache-host", help="its address (loopback unless --cache-tls-cert)"),

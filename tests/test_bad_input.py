@@ -320,3 +320,19 @@ def dt_iso(seconds: float) -> str:
     import datetime as dt
 
     return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["submit", "job.yaml", "--workers", "0"], "--workers"),
+    (["submit", "job.yaml", "--retries", "-1"], "--retries"),
+    (["submit", "job.yaml", "--timeout", "-5"], "--timeout"),
+    (["resources", "--slots", "-3"], "--slots"),
+    (["status", "some-job", "--watch", "--every", "0"], "--every"),
+    (["serve", "--min-workers", "-1"], "--min-workers"),
+    (["cache-serve", "--tokens", "t", "--port", "70000"], "--port"),
+])
+def test_numbers_out_of_range_are_refused_before_anything_runs(args, option):
+    """Before, `--workers 0` meant the default, `--slots -3` offered Ray 0 slots, and `--every 0`
+    read the store in a tight loop."""
+    said = farm(*args)
+    assert f"Invalid value for '{option}'" in said, said
