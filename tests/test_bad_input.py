@@ -100,6 +100,22 @@ def test_a_job_whose_results_cannot_be_written_ends_failed_and_says_why(tmp_path
     assert status["state"] == "failed" and "results were not written" in status["error"] and status["failed"] == 1
 
 
+def test_a_job_that_breaks_in_its_process_ends_failed_with_the_error(tmp_path):
+    """Not `running` for ever: whatever stops a job in the process running it is in its record."""
+    import json
+
+    def broken(units, store, events):
+        raise RuntimeError("the runner broke")
+
+    store = store_from_uri(str(tmp_path / "store"))
+    job = parse_job({"name": "broken", "graphs": ["missing.pt2"], "targets": ["core-aten"]}, "broken.yaml",
+                    base_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="the runner broke"):
+        execute(job, store, runner=broken, job_id="broken-1")
+    status = json.loads(store.get_job_file("broken-1", "status.json"))
+    assert status["state"] == "failed" and status["error"] == "RuntimeError: the runner broke", status
+
+
 def test_cli_reports_failures_with_nonzero_exit(zoo_dir, tmp_path):
     bad = tmp_path / "bad.pt2"
     bad.write_text("nope")
