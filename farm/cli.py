@@ -246,7 +246,6 @@ def status(
 ) -> None:
     """How far a job got (queued, running, compiled, hits, failed, retries), read from the store."""
     from farm.console import console, out, status_line, watch_status
-
     from scheduler.jobs import ENDED, silent_for
 
     handle = _job_handle(job_id, store)
