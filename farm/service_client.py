@@ -134,6 +134,9 @@ def _uploaded(source: str, store: Store) -> str:
     return f"{BLOB_SCHEME}sha256/{store.put_file(path).digest}"
 
 
+_COUNTED = (*COUNTED, "queued", "running")  # what a row of `farm jobs` counts
+
+
 def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
     """`farm jobs --store`, with no Ray: a farm service's jobs as its store has them, oldest first
     (queued and running counts as of each job's last status write, about once a second), then
@@ -155,9 +158,6 @@ def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
                          "state": "queued", "submitted_at": "", "ended_at": None, "resumed": 0,
                          "error": "in the store's inbox: no farm service has taken it yet", **{k: 0 for k in _COUNTED}})
     return rows
-
-
-_COUNTED = (*COUNTED, "queued", "running")
 
 
 def _jobs_without_service(store: Store, service_jobs: set[str]) -> list[dict[str, Any]]:
