@@ -28,6 +28,14 @@
 #   use, so every process paid it, on both sides of every ratio above. This script now keeps the
 #   bytecode in PYTHONPYCACHEPREFIX, as an installed torch would have it (the farm's jailed
 #   children still compile, in their zygote, once per worker).
+# - 2026-11-28, H200, 492 s, all of it (the first run with that bytecode): zoo 148 s (4 compiled,
+#   lowering 72-82 s each, 2.0-3.5x eager; mlp with CXX=/opt/gcc/bin/g++ refused with the crash
+#   named), autotune 80 s (max_autotune 4.3x, the default 2.0x: the default won, within the noise),
+#   the 5 GPU tests passed (258 s); use_farm_cache processes cold 10.2 s, writer 9.6 s, reader
+#   10.9 s, their step 3.5, 3.1 and 1.4 s (the reader: 0 kernels built, every graph a hit); training
+#   steps warm/cold 0.58 (inductor-cache:cuda) and 0.67 (aot-compile:cuda), the warm first step
+#   0.18-0.27 s (aot-compile) against 3.2-3.9 s cold, the rest loading the program (1.4-1.9 s, both
+#   sides) and the warm side's set-up (1.3-2.3 s against the cold side's 0.9-1.2 s).
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
