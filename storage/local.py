@@ -32,12 +32,16 @@ class LocalBackend:
         return self.root / path
 
     @contextlib.contextmanager
-    def _failing_as_store(self, what: str, path: str) -> Iterator[None]:
+    def _failing_as_store(self, what: str, path: str, writing: bool = True) -> Iterator[None]:
+        """An OSError inside (but a missing file, which each read answers itself) as StoreError,
+        naming the store's path: a disk that fails, a mount gone stale (NFS) or a file not ours
+        to read is the store's problem, said as S3's are, never a traceback."""
         try:
             yield
         except OSError as e:
-            hint = " (its disk is full: free space there, or run `farm gc`)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            kind = StoreUnwritable if e.errno in UNWRITABLE else StoreError
+            full = writing and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            hint = " (its disk is full: free space there, or run `farm gc`)" if full else ""
+            kind = StoreUnwritable if writing and e.errno in UNWRITABLE else StoreError
             raise kind(f"{what} {self.uri}/{path} failed: {e.strerror or e}{hint}") from e
 
     def _temp_beside(self, dest: Path) -> Path:
@@ -60,10 +64,11 @@ class LocalBackend:
             tmp.unlink(missing_ok=True)
 
     def read(self, path: str) -> bytes | None:
-        try:
-            return self._path(path).read_bytes()
-        except FileNotFoundError:
-            return None
+        with self._failing_as_store("read", path, writing=False):
+            try:
+                return self._path(path).read_bytes()
+            except FileNotFoundError:
+                return None
 
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
         def fill(tmp: Path) -> None:
@@ -92,20 +97,24 @@ class LocalBackend:
             return self._place(tmp, dest, if_absent)
 
     def download_file(self, path: str, dest: Path) -> bool:
+        src = self._path(path)
+        with self._failing_as_store("read", path, writing=False):  # the store's side; dest's errors are the caller's
+            try:
+                src.open("rb").close()
+            except FileNotFoundError:
+                return False
         try:
-            shutil.copyfile(self._path(path), dest)
+            shutil.copyfile(src, dest)
         except FileNotFoundError:
             return False
         return True
 
     def exists(self, path: str) -> bool:
-        return self._path(path).exists()
+        return self.stat(path) is not None
 
     def size(self, path: str) -> int | None:
-        try:
-            return self._path(path).stat().st_size
-        except FileNotFoundError:
-            return None
+        info = self.stat(path)
+        return None if info is None else info.size
 
     def list(self, prefix: str) -> Iterator[str]:
         return (info.path for info in self.list_info(prefix))
@@ -129,21 +138,24 @@ class LocalBackend:
                     yield ObjectInfo(rel, st.st_size, st.st_mtime)
 
     def stat(self, path: str) -> ObjectInfo | None:
-        try:
-            st = self._path(path).stat()
-        except FileNotFoundError:
-            return None
+        with self._failing_as_store("stat", path, writing=False):
+            try:
+                st = self._path(path).stat()
+            except (FileNotFoundError, NotADirectoryError):
+                return None
         return ObjectInfo(path, st.st_size, st.st_mtime)
 
     def touch(self, path: str) -> bool:
-        try:
-            os.utime(self._path(path))
-        except FileNotFoundError:
-            return False
-        return True
+        with self._failing_as_store("touch", path):
+            try:
+                os.utime(self._path(path))
+            except FileNotFoundError:
+                return False
+            return True
 
     def delete(self, path: str) -> None:
-        self._path(path).unlink(missing_ok=True)
+        with self._failing_as_store("delete", path):
+            self._path(path).unlink(missing_ok=True)
 
     def delete_many(self, paths: list[str]) -> None:
         for path in paths:

@@ -205,3 +205,20 @@ def test_a_local_store_on_a_full_disk_says_so_and_leaves_no_temp_file(tmp_path, 
     with pytest.raises(StoreUnwritable, match="upload .* failed: No space left on device"):
         store.put_file(source)
     assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []  # neither temp file stayed
+
+
+def test_a_local_store_that_fails_a_read_names_the_path_and_the_cli_says_it_in_a_line(tmp_path):
+    """A read the disk refuses (here a directory where a manifest should be; on a team's NFS
+    store, a stale handle or an I/O error) is the store's error naming the path, as S3's are,
+    never an OSError that ends the command in a traceback."""
+    from storage import StoreError, store_from_uri
+    from tests.cli import farm
+
+    key = "ab" * 32
+    (tmp_path / "store" / "units" / f"{key}.json").mkdir(parents=True)
+    store = store_from_uri(str(tmp_path / "store"))
+    with pytest.raises(StoreError, match=rf"read file://.*/units/{key}\.json failed: Is a directory"):
+        store.backend.read(f"units/{key}.json")
+    said = farm("fetch", key, str(tmp_path / "out"), "--store", str(tmp_path / "store"))
+    assert f"units/{key}.json failed: Is a directory" in said and "Traceback" not in said, said
+    assert not (tmp_path / "out").exists()
