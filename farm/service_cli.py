@@ -52,7 +52,7 @@ def serve(
     """Start the farm as a long-lived service on a Ray cluster (a detached `farm-scheduler` actor,
     namespace `farm`) and return once it answers. Jobs submitted to the cluster then share its
     warm workers by priority."""
-    from farm.console import out
+    from farm.console import console, out
     from farm.service_client import absolute_store
     from scheduler.errors import JoinFailed, ServiceError
     from scheduler.ray_service import start_service, stop_service
@@ -73,6 +73,7 @@ def serve(
                           f"{said['queued']} queued")
                 return
             info = start_service(absolute_store(store), config, secrets)
+            builders = _builders_missing(address)
     except (JoinFailed, ServiceError, ValueError) as e:
         raise fail(str(e)) from e
     resumed = f"; resumed jobs: {', '.join(info['resumed'])}" if info["resumed"] else ""
@@ -82,6 +83,20 @@ def serve(
         out.print(f"PyTorch's remote caches: {info['cache']} (README: PyTorch's own remote caches)")
     out.print(f"submit with `farm submit JOB.yaml --store {info['store']}` (through the store: no Ray needed) or "
               f"`--address {address}`, [--priority interactive|batch|nightly]; `farm jobs --address {address}` lists jobs")
+    if builders:
+        console.print(builders)
+
+
+def _builders_missing(address: str) -> str | None:
+    """What to do when no node of the joined cluster offers the farm's resources (a head started
+    without `--resources "$(farm resources)"`): every unit would fail at once, naming it."""
+    import ray
+
+    if any(name.startswith("farm_") for name in ray.cluster_resources()):
+        return None
+    return (f"warning: no node of this cluster offers the farm's resources (farm_cpu_*, farm_gpu_*), so every unit "
+            f"submitted will fail until one does; start nodes with `ray start --address {address} --resources "
+            "\"$(farm resources)\"` (or start the head with it)")
 
 
 def _cache(port: int | None, tokens: str | None, host: str, tls_cert: str | None, tls_key: str | None):

@@ -149,7 +149,9 @@ def _joinable(address: str) -> tuple[str, int] | None:
 
 def join(address: str, **init):
     """`ray.init` joining the cluster at `address`, by 127.0.0.1 itself where the cluster listens
-    on loopback alone; JoinFailed saying what to do when that fails."""
+    on loopback alone; JoinFailed saying what to do when that fails. Ray's INFO lines ("Connecting
+    to existing Ray cluster…") are not shown: a command's own output says what it joined."""
+    init.setdefault("logging_level", logging.WARNING)
     target = _joinable(address)
     try:
         if target and target[0] == LOOPBACK:

@@ -286,6 +286,20 @@ def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_d
     assert SERVICE == "farm-scheduler"
 
 
+def test_serve_warns_when_no_node_offers_the_farms_resources(service, ray_cluster, monkeypatch):
+    """A head started without `--resources "$(farm resources)"` and no farm node yet: `farm serve`
+    says every unit would fail, and how to add a node; on this cluster, which has one, nothing."""
+    import ray
+
+    from farm.service_cli import _builders_missing
+
+    assert _builders_missing(ray_cluster.address) is None
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "memory": 1e9})
+    said = _builders_missing(ray_cluster.address)
+    assert "no node of this cluster offers the farm's resources" in said
+    assert f'ray start --address {ray_cluster.address} --resources "$(farm resources)"' in said
+
+
 def test_a_client_without_ray_hands_its_job_over_through_the_store(service, zoo_dir, tmp_path):
     """A laptop or CI runner that has the store but no Ray: `farm submit --store` sees the service's
     heartbeat, puts the job in the store's inbox and follows it there. A bad entry written straight
