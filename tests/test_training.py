@@ -68,7 +68,11 @@ from workers.check.inputs import input_sets
 from workers.check.train import verify_training
 program, store, target, extra = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 device = "cuda" if target.split(":")[-1].startswith(("sm_", "cuda")) else "cpu"
+import subprocess
+spawned, popen = [], subprocess.Popen.__init__
+subprocess.Popen.__init__ = lambda self, args, *a, **k: spawned.append(str(args)[:300]) or popen(self, args, *a, **k)
 model = warm_start(program, store=store, target=target, mode="train")
+subprocess.Popen.__init__ = popen
 ep = torch.export.load(program)
 eager = (move_to_device_pass(ep, device) if device == "cuda" else ep).module()
 sets = [s.to(device) for s in input_sets(ep, extra)]
@@ -82,6 +86,7 @@ with kernels.counting_builds() as built:
         opt.zero_grad()
 model.load_state_dict(eager.state_dict())  # a checkpoint, by the model's own names
 print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]), "builds": built,
+                  "pythons_at_load": [a for a in spawned if sys.executable in a],
                   "misses": getattr(model, "farm_bundle_misses", None), "ok": report.ok, "problems": report.problems, "checked": report.checked,
                   "names": [n for n, _ in model.named_parameters()], "eager_names": [n for n, _ in eager.named_parameters()]}))
 """
@@ -111,6 +116,7 @@ def test_a_fresh_process_trains_from_the_bundle_without_compiling(trained, zoo_d
     shipped = sorted(m.name for m in tarfile.open(store.fetch(r.artifact.digest, tmp_path / "bundle.tar")).getmembers())
     # no kernel compiled: the bundle's binaries were used
     assert got["builds"] == [], {"misses": got["misses"], "shipped": shipped, "inductor": got["inductor"], "aot": got["aot"]}
+    assert got["pythons_at_load"] == []  # nor a fresh Python to load Inductor's ISA probe: the CPU's flags say it runs avx2
     assert got["misses"] == []
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["inductor"].get("fxgraph_cache_hit", 0) >= 2
     assert got["aot"].get("autograd_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_hit", 0) >= 1
@@ -136,6 +142,7 @@ with kernels.counting_builds() as built:
         eager(*s.args).sum().backward()
 same = all(torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-4) for a, b in zip(model.parameters(), eager.parameters()))
 print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]), "builds": built,
+                  "pythons_at_load": [a for a in spawned if sys.executable in a],
                   "farm": farm.stats(), "grads_equal": same}))  # within the farm's own verification tolerance
 """
 
@@ -182,6 +189,7 @@ def test_a_fresh_process_trains_from_the_precompiled_function_without_compiling(
     got = train_in_fresh_process(zoo_dir / "mlp.pt2", d / "store", "aot-compile:avx2", tmp_path, extra_sizes=0,
                                  threads=facts["torch_threads"])
     assert got["builds"] == [] and got["ok"], got["problems"]
+    assert got["pythons_at_load"] == []  # warm_start started no Python (Inductor's ISA probe) either
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0 and got["aot"].get("autograd_cache_miss", 0) == 0
     assert got["names"] == got["eager_names"]
 

@@ -160,7 +160,7 @@ class AotCompile(cpu_isa.PinnedCpuTarget):
         if ep is None:
             raise LoweringError("a precompiled function is loaded together with the program it was compiled from")
         pin = self.pin(target)
-        unpacked = train_bundle.installed(artifact, pin, lambda: self.host_problem(target))
+        unpacked = train_bundle.installed(artifact, pin, lambda: self.load_problem(target))
         module = packable(ep, str(unpacked.facts.get("module_class")))
         names = sorted(unpacked.parts, key=lambda n: int(n[3:-4]) if n.startswith("fn-") else -1)
         try:

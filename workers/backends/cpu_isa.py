@@ -71,18 +71,26 @@ def _recorded_vec_isas() -> frozenset[str] | None:
     return None if known is None else frozenset(known["vec_isas"])
 
 
-def _one_vec_isa(name: str) -> list[Any]:
+def _one_vec_isa(name: str, probe: bool = True) -> list[Any]:
     """[Inductor's ISA `name`] if this host can build and run it, else []: from the host's record
     where it has one, else Inductor's own check (CPU flags, then a probe build loaded in a fresh
     Python) for that one ISA. Its check of every ISA costs a fresh machine ~10 g++ builds (8 s
-    here) before a pinned model's first step."""
+    here) before a pinned model's first step. Without `probe`, the CPU's flags alone answer: what
+    a process that loads code built elsewhere needs to know (it runs here), without the probe's
+    build and fresh Python (0.8 s here); were it to compile after all, g++ would say what it lacks."""
     cpu_vec_isa = _cpu_vec_isa()
     known = _recorded_vec_isas()
     if known is not None:
         return [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known]
-    flags = cpu_vec_isa.x86_isa_checker()
+    flags = _cpu_flags()
     return [i for i in cpu_vec_isa.supported_vec_isa_list
-            if str(i) == name and all(f in flags for f in name.split()) and i]
+            if str(i) == name and all(f in flags for f in name.split()) and (not probe or i)]
+
+
+@functools.cache
+def _cpu_flags() -> tuple[str, ...]:
+    """The vector ISAs this CPU runs, by its flags (Inductor's reading of them; asked once per process)."""
+    return tuple(_cpu_vec_isa().x86_isa_checker())
 
 
 def _kept_record() -> dict[str, Any] | None:
@@ -94,10 +102,11 @@ def _kept_record() -> dict[str, Any] | None:
     return known
 
 
-def host_runs(vec_isa: str) -> bool:
-    """Whether this host builds and runs `vec_isa` (without a record: Inductor's check of that ISA alone)."""
+def host_runs(vec_isa: str, probe: bool = True) -> bool:
+    """Whether this host builds and runs `vec_isa` (without a record: Inductor's check of that ISA
+    alone; without `probe`, whether it runs it, by the CPU's flags)."""
     record = _kept_record()
-    return bool(_one_vec_isa(vec_isa)) if record is None else vec_isa in record["vec_isas"]
+    return bool(_one_vec_isa(vec_isa, probe)) if record is None else vec_isa in record["vec_isas"]
 
 
 def _inductor_sees(chosen: list[Any]) -> contextlib.AbstractContextManager[None]:
@@ -106,9 +115,10 @@ def _inductor_sees(chosen: list[Any]) -> contextlib.AbstractContextManager[None]
     return _inductor_asks(lambda: chosen)
 
 
-def only_vec_isa(name: str) -> contextlib.AbstractContextManager[None]:
-    """Make Inductor see exactly one vector ISA while it compiles (one compile per process)."""
-    return _inductor_sees(_one_vec_isa(name) if name else [])
+def only_vec_isa(name: str, probe: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Make Inductor see exactly one vector ISA while it compiles (one compile per process); with
+    probe=False, for loading what was built elsewhere (see _one_vec_isa)."""
+    return _inductor_sees(_one_vec_isa(name, probe) if name else [])
 
 
 def vec_isas_from_host_record() -> contextlib.AbstractContextManager[None]:
@@ -243,15 +253,20 @@ class PinnedCpuTarget:
     def device_fingerprint(self, target: Target) -> dict[str, Any]:
         return {**cpu_fingerprint(), "isa": self.isa(target)[0]}
 
-    def host_problem(self, target: Target) -> str | None:
+    def host_problem(self, target: Target, probe: bool = True) -> str | None:
         name, isa = self.isa(target)
         missing = cxx.compiler_problem()
         if missing:
             return missing
-        if isa.vec_isa and not host_runs(isa.vec_isa):
+        if isa.vec_isa and not host_runs(isa.vec_isa, probe):
             have = host_vec_isas()
             return f"this host cannot build or run {name} code (it has: {', '.join(sorted(have)) or 'no vector ISA'})"
         if not can_pin():
             return (f"torch {importlib.metadata.version('torch')} cannot pin Inductor's CPU ISA (it has no cpp.march setting), so "
                     f"{self.name} would build for this host's CPU only; CPU targets need torch 2.13")
         return cxx.libstdcxx_problem()
+
+    def load_problem(self, target: Target) -> str | None:
+        """Why this process cannot load what a worker built for the target: host_problem, with the
+        CPU's flags saying whether it runs the ISA (a loader builds nothing: no probe, 0.6 s here)."""
+        return self.host_problem(target, probe=False)

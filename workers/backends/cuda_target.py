@@ -102,6 +102,9 @@ class CudaTarget:
             return f"this worker's GPU is {gpu.name} ({gpu.arch}), not {named}; {target.label} is built on a {named} GPU"
         return cxx.libstdcxx_problem()
 
+    def load_problem(self, target: Target) -> str | None:  # before a CPU form's, for the GPU forms of CPU backends
+        return self.host_problem(target)
+
     def prepare(self, ep: ExportedProgram, target: Target) -> ExportedProgram:
         from torch.export.passes import move_to_device_pass
 

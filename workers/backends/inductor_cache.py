@@ -90,8 +90,8 @@ class InductorCache(cpu_isa.PinnedCpuTarget):
         if ep is None:
             raise LoweringError("an inductor-cache bundle is loaded together with the program it was compiled from")
         if target.mode == "train":
-            return train_bundle.load(artifact, self.pin(target), ep, lambda: self.host_problem(target))
-        problem = self.host_problem(target)
+            return train_bundle.load(artifact, self.pin(target), ep, lambda: self.load_problem(target))
+        problem = self.load_problem(target)
         if problem:
             raise LoweringError(problem, retryable=True)
         info = torch.compiler.load_cache_artifacts(artifact.read_bytes())

@@ -53,8 +53,8 @@ class Pin:
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(kernels.skipping_unneeded_headers())
-            if self.vec_isa is not None:
-                stack.enter_context(cpu_isa.only_vec_isa(self.vec_isa))
+            if self.vec_isa is not None:  # by the CPU's flags: a worker probed its build (host_problem) before lowering
+                stack.enter_context(cpu_isa.only_vec_isa(self.vec_isa, probe=False))
             stack.enter_context(torch._inductor.config.patch(self.configs))
             if self.autograd:
                 from torch._functorch import config as autograd_config
