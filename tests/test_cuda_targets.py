@@ -149,6 +149,10 @@ def test_in_process_a_cuda_target_on_a_host_without_a_gpu_fails_with_the_reason(
     assert "cannot build inductor-cache:sm_90+train: no CUDA GPU" in errors["inductor-cache:sm_90+train"]
     assert "name one, e.g. aoti-cuda:sm_90" in errors["aoti-cuda"]
     assert all(r.retryable and "lower" not in r.timings for r in outcome.results)
+    for backend in ("aot-compile", "inductor-cache"):  # loading their GPU artifacts is the GPU's check too, not the CPU's
+        target = Target(backend, "sm_90", mode="train")
+        form = resolve(target)
+        assert "no CUDA GPU" in form.load_problem(target) and form.load_problem(target) == form.host_problem(target)
 
 
 def test_warm_start_asks_its_own_process_for_the_gpu_and_says_why_it_has_none(zoo_dir, tmp_path, monkeypatch):
