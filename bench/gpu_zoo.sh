@@ -36,6 +36,10 @@
 #   steps warm/cold 0.58 (inductor-cache:cuda) and 0.67 (aot-compile:cuda), the warm first step
 #   0.18-0.27 s (aot-compile) against 3.2-3.9 s cold, the rest loading the program (1.4-1.9 s, both
 #   sides) and the warm side's set-up (1.3-2.3 s against the cold side's 0.9-1.2 s).
+#   Then, alone on that machine, torch's own aoti_compile_and_package (no farm, 16 compile
+#   threads, an empty Inductor cache) of gpt took 86.9 s, 80.8 s of it in GraphLowering.compile_to_fn
+#   (the C++ and Triton builds), and mlp's had not ended in 100 s: the farm's 72-82 s lowerings
+#   above are torch's cost, not the farm's.
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
