@@ -77,7 +77,7 @@ def _one_vec_isa(name: str, probe: bool = True) -> list[Any]:
     Python) for that one ISA. Its check of every ISA costs a fresh machine ~10 g++ builds (8 s
     here) before a pinned model's first step. Without `probe`, the CPU's flags alone answer: what
     a process that loads code built elsewhere needs to know (it runs here), without the probe's
-    build and fresh Python (0.8 s here); were it to compile after all, g++ would say what it lacks."""
+    build and fresh Python (0.9 s of a warm_start here); were it to compile after all, g++ would say what it lacks."""
     cpu_vec_isa = _cpu_vec_isa()
     known = _recorded_vec_isas()
     if known is not None:
@@ -268,5 +268,5 @@ class PinnedCpuTarget:
 
     def load_problem(self, target: Target) -> str | None:
         """Why this process cannot load what a worker built for the target: host_problem, with the
-        CPU's flags saying whether it runs the ISA (a loader builds nothing: no probe, 0.6 s here)."""
+        CPU's flags saying whether it runs the ISA (a loader builds nothing: see _one_vec_isa)."""
         return self.host_problem(target, probe=False)
