@@ -176,10 +176,12 @@ def test_a_cluster_nothing_answers_on_fails_fast_and_says_what_to_do(tmp_path, z
     assert os.environ["RAY_AUTH_TOKEN"] not in err  # where the token was looked for, never the token
 
 
-def _watched(store_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def _watched(store_dir: Path, *extra: str) -> str:
     """`farm status JOB --watch` in a process of its own (its output a pipe, as in CI) while the
-    job's status document goes from running (one unit compiled, one in flight) to done."""
-    import threading
+    job's status document goes from running (one unit compiled, one in flight) to done: once the
+    watch has printed the running state (in a log), or a second after it started (--json, which
+    prints only the end); its stdout."""
+    import select
     import time
 
     from scheduler.jobs import STATUS_FILE
@@ -189,28 +191,32 @@ def _watched(store_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     doc = {"job_id": "w-20261123-120000-abcd", "state": "running", "total": 2, "queued": 0, "running": 1, "compiled": 1,
            "hit": 0, "failed": 0, "retries": 0, "running_units": [{"graph": "cnn", "target": "aoti-cpu", "since": time.time()}]}
     store.put_job_file(doc["job_id"], STATUS_FILE, json.dumps(doc).encode())
-
-    def finish() -> None:
-        time.sleep(1.0)
+    watch = subprocess.Popen([sys.executable, "-m", "farm", "status", "w-2026", "--watch", "--every", "0.2", *extra,
+                              "--store", str(store_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        if "--json" in extra:
+            first = ""
+            time.sleep(1.0)
+        else:  # the watch has read the running state (bounded: a watch that says nothing fails here)
+            assert select.select([watch.stdout], [], [], 120)[0], "the watch printed nothing in 120 s"
+            first = watch.stdout.readline()
         store.put_job_file(doc["job_id"], STATUS_FILE, json.dumps({**doc, "state": "done", "running": 0, "compiled": 2,
                                                                   "running_units": []}).encode())
-
-    threading.Thread(target=finish).start()
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "farm", "status", "w-2026", "--watch", "--every", "0.2", *extra,
-                           "--store", str(store_dir)], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr
-    assert 0.9 < time.monotonic() - start < 60
-    return done
+        out, err = watch.communicate(timeout=120)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, err
+    return first + out
 
 
 def test_status_watch_follows_the_job_in_the_store_until_it_ends(tmp_path):
     """The store's status document goes from running to done while `farm status --watch` reads it.
     In a log, each change is one line (no table redrawn); with --json, stdout is the JSON alone."""
-    lines = _watched(tmp_path / "store").stdout.splitlines()
+    lines = _watched(tmp_path / "store").splitlines()
     assert [line.split(" · ")[0] for line in lines] == ["w-20261123-120000-abcd: running", "w-20261123-120000-abcd: done"]
     assert "compiled 1" in lines[0] and "compiled 2" in lines[1]
-    final = json.loads(_watched(tmp_path / "store-json", "--json").stdout)
+    final = json.loads(_watched(tmp_path / "store-json", "--json"))
     assert final["state"] == "done" and final["compiled"] == 2
 
 
