@@ -271,6 +271,34 @@ def test_a_cuda_child_whose_zygote_initialized_cuda_starts_a_fresh_python(zoo_di
         assert len(started) == 2 and all("starts a fresh Python" in text for text in started), started
 
 
+class _SilentZygoteSandbox(Sandbox):
+    zygote_module = "tests.silent_zygote"
+
+
+class _UnforkingZygoteSandbox(Sandbox):
+    zygote_module = "tests.unforking_zygote"
+
+
+@pytest.mark.parametrize("kind, says", [(_SilentZygoteSandbox, r"its zygote forked it as pid \d+, which never said"),
+                                        (_UnforkingZygoteSandbox, "its zygote had not forked it")])
+def test_a_child_that_never_starts_fails_the_unit_saying_where_its_start_stalled(kind, says, monkeypatch):
+    """A start that stalls (seen once under CI's load: 300 s without a word) fails the unit,
+    retryable, saying whether the zygote had forked the child: the cause a next one must show."""
+    from workers.sandbox import process
+    from workers.sandbox.process import SandboxFailed
+    from workers.unit import UnitLimits
+
+    with kind() as sandbox, sandbox.workdir() as workdir:
+        sandbox.prestart(UnitLimits())
+        deadline = time.monotonic() + 120  # the zygote imports torch, then forks (or not)
+        while kind is _SilentZygoteSandbox and sandbox._forked is None and time.monotonic() < deadline:
+            sandbox._hear_zygote(1.0)
+        monkeypatch.setattr(process, "STARTUP_S", 3.0)
+        with pytest.raises(SandboxFailed, match=f"the sandbox did not start .*{says}") as failed:
+            sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 60, unit=None, program="x.pt2")
+        assert failed.value.retryable and sandbox._proc is None  # its zygote stopped: the next call starts one
+
+
 def test_a_child_waited_for_as_its_worker_starts_serves_the_first_step_at_once(zoo_dir):
     """A pool counts a worker as started once its child is up (CompileWorker.warm): its first unit
     then waits for no torch import."""

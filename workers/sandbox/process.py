@@ -100,6 +100,7 @@ class Sandbox:
         self._requests: BinaryIO | None = None  # the current child's stdin
         self._replies: int | None = None  # and its reply pipe
         self._exits: list[int | None] = []  # the exit code of each child asked for, in order, once the zygote said
+        self._forked: int | None = None  # the pid of the child last asked for, once the zygote said it forked it
         self._lowered = lowers  # a child of this zygote lowered: it warms the lowering for its next (zygote.py)
         self._started_for: tuple[UnitLimits, str] | None = None  # the limits and device of the running child
         self._env: dict[str, str] = {}  # the environment it inherited
@@ -207,7 +208,7 @@ class Sandbox:
             # one a child stopped (same uid: SIGSTOP reaches it) that would never fork the next
             self._kill()
             self._start_zygote(device, limits.file_gb)
-        self._spawned = time.monotonic()
+        self._spawned, self._forked = time.monotonic(), None
         home = self.root() / f"home-{self.starts}"
         home.mkdir()
         jail.make_writable(home)
@@ -291,6 +292,8 @@ class Sandbox:
             if not record:
                 return heard
             said = json.loads(record)
+            if "forked" in said:
+                self._forked = int(said["forked"])
             if "exited" in said and None in self._exits:
                 self._exits[self._exits.index(None)] = int(said["exited"])
             heard = True
@@ -337,14 +340,27 @@ class Sandbox:
             ready = self._read_reply(self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
             output = "".join(_read_text(log) for log in (self._zygote_log, self._startup_log) if log)
+            stalled = self._where_the_start_stalled()
             self._kill()  # (which removes the child's HOME, its start-up log with it)
-            raise SandboxFailed(f"the sandbox did not start ({e})", output, retryable=True) from None
+            raise SandboxFailed(f"the sandbox did not start ({e}{stalled})", output, retryable=True) from None
         now = time.monotonic()
         self.cost.start_s += now - self._spawned
         warm = ready.get("warm_up_s")
         self.cost.warm_up_s += float(warm) if isinstance(warm, (int, float)) and 0 <= warm <= now - self._spawned else 0.0
         self._spawned = None
         return now - waiting
+
+    def _where_the_start_stalled(self) -> str:
+        """Whether the zygote forked the child that never said it was ready (seen once under CI's
+        load, after the zygote's warm-up; not reproduced): what a log of the next one must say."""
+        if self._proc is None or self._proc.poll() is not None:
+            return ""  # the zygote is gone: its log says why
+        self._hear_zygote(0)
+        if self._forked is not None:
+            return f"; its zygote forked it as pid {self._forked}, which never said it was ready"
+        earlier = sum(code is None for code in self._exits[:-1])
+        return "; its zygote had not forked it" + (f": {earlier} earlier child(ren) of it not yet exited" if earlier
+                                                   else " (still importing torch, or stuck before its fork)")
 
     def _read_reply(self, deadline: float) -> dict[str, Any]:
         header = self._read_exact(HEADER.size, deadline)
