@@ -299,6 +299,26 @@ def test_a_child_that_never_starts_fails_the_unit_saying_where_its_start_stalled
         assert failed.value.retryable and sandbox._proc is None  # its zygote stopped: the next call starts one
 
 
+def test_a_child_started_ahead_serves_a_call_that_comes_after_its_start_limit(zoo_dir, monkeypatch):
+    """After a job the next child starts at once (`renew`), and the next job may come much later:
+    its first call finds the child's 'ready' waiting, however long ago the start began. (On CI
+    every first unit of a job that came over STARTUP_S after the last one failed: 'the sandbox
+    did not start (timeout…)' at once.)"""
+    import select
+
+    from workers.sandbox import process
+    from workers.unit import Target, Unit, UnitLimits
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        sandbox.prestart(UnitLimits())
+        assert select.select([sandbox._replies], [], [], 120)[0], "the child said nothing in 120 s"
+        monkeypatch.setattr(process, "STARTUP_S", 0.0)  # its start began longer ago than the limit
+        reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                             program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        assert len(reply["identity"]["program"]) == 64 and sandbox.starts == 1
+
+
 def test_a_child_waited_for_as_its_worker_starts_serves_the_first_step_at_once(zoo_dir):
     """A pool counts a worker as started once its child is up (CompileWorker.warm): its first unit
     then waits for no torch import."""

@@ -379,10 +379,12 @@ class Sandbox:
         chunks, got = [], 0
         while got < n:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise SandboxFailed("timeout: no answer within the unit's time limit; the sandbox was killed")
-            ready, _, _ = select.select([self._replies], [], [], min(left, 1.0))
+            # what is there is read even past the deadline: a child started ahead (`renew`, after
+            # a job) said it was ready long before the next job's first call waits for it
+            ready, _, _ = select.select([self._replies], [], [], min(max(left, 0.0), 1.0))
             if not ready:
+                if left <= 0:
+                    raise SandboxFailed("timeout: no answer within the unit's time limit; the sandbox was killed")
                 continue
             chunk = os.read(self._replies, min(n - got, 1 << 20))
             if not chunk:
