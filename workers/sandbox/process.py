@@ -351,8 +351,8 @@ class Sandbox:
         return now - waiting
 
     def _where_the_start_stalled(self) -> str:
-        """Whether the zygote forked the child that never said it was ready (seen once under CI's
-        load, after the zygote's warm-up; not reproduced): what a log of the next one must say."""
+        """Whether the zygote forked the child that never said it was ready: where its start
+        stalled, for the unit log (it found _read_exact's deadline read before the pipe)."""
         if self._proc is None or self._proc.poll() is not None:
             return ""  # the zygote is gone: its log says why
         self._hear_zygote(0)
