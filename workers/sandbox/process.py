@@ -36,7 +36,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -48,22 +47,12 @@ from typing import Any, BinaryIO, Iterator
 from workers.sandbox import jail, tempdirs
 from workers.sandbox.env import child_env, jailed_env
 from workers.sandbox.policing import exit_reason, renice
+from workers.sandbox.replies import HEADER, SandboxFailed, read_reply
 from workers.unit import UnitLimits
 
 log = logging.getLogger(__name__)
 
-MAX_REPLY = 64 << 20
 STARTUP_S = 300.0  # a child that has not imported torch by then is broken
-HEADER = struct.Struct("!Q")
-
-
-class SandboxFailed(Exception):
-    """The child crashed, hung, ran out of a resource, or refused the input; the message says which."""
-
-    def __init__(self, message: str, output: str = "", retryable: bool = False):
-        super().__init__(message)
-        self.output = output
-        self.retryable = retryable
 
 
 @dataclass
@@ -175,7 +164,7 @@ class Sandbox:
             sent = time.perf_counter()
             self._requests.write(HEADER.pack(len(request)) + request)
             self._requests.flush()
-            reply = self._read_reply(deadline)
+            reply = read_reply(self._replies, deadline)
             self.cost.add(time.perf_counter() - sent, reply.get("step_s"))
         except (SandboxFailed, BrokenPipeError, OSError) as e:
             message = str(e) if isinstance(e, SandboxFailed) else self._death(limits)
@@ -337,7 +326,7 @@ class Sandbox:
         """Wait for the child's first message (torch imported); how long this call waited."""
         waiting = time.monotonic()
         try:
-            ready = self._read_reply(self._spawned + STARTUP_S)
+            ready = read_reply(self._replies, self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
             output = "".join(_read_text(log) for log in (self._zygote_log, self._startup_log) if log)
             stalled = self._where_the_start_stalled()
@@ -352,7 +341,7 @@ class Sandbox:
 
     def _where_the_start_stalled(self) -> str:
         """Whether the zygote forked the child that never said it was ready: where its start
-        stalled, for the unit log (it found _read_exact's deadline read before the pipe)."""
+        stalled, for the unit log (it found read_exact's deadline read before the pipe)."""
         if self._proc is None or self._proc.poll() is not None:
             return ""  # the zygote is gone: its log says why
         self._hear_zygote(0)
@@ -361,37 +350,6 @@ class Sandbox:
         earlier = sum(code is None for code in self._exits[:-1])
         return "; its zygote had not forked it" + (f": {earlier} earlier child(ren) of it not yet exited" if earlier
                                                    else " (still importing torch, or stuck before its fork)")
-
-    def _read_reply(self, deadline: float) -> dict[str, Any]:
-        header = self._read_exact(HEADER.size, deadline)
-        (size,) = HEADER.unpack(header)
-        if size > MAX_REPLY:
-            raise SandboxFailed(f"the sandbox sent a {size}-byte reply (limit {MAX_REPLY})")
-        try:
-            reply = json.loads(self._read_exact(size, deadline))
-        except ValueError as e:
-            raise SandboxFailed(f"the sandbox sent a reply that is not JSON ({e})") from e
-        if not isinstance(reply, dict):
-            raise SandboxFailed("the sandbox sent a reply that is not a mapping")
-        return reply
-
-    def _read_exact(self, n: int, deadline: float) -> bytes:
-        chunks, got = [], 0
-        while got < n:
-            left = deadline - time.monotonic()
-            # what is there is read even past the deadline: a child started ahead (`renew`, after
-            # a job) said it was ready long before the next job's first call waits for it
-            ready, _, _ = select.select([self._replies], [], [], min(max(left, 0.0), 1.0))
-            if not ready:
-                if left <= 0:
-                    raise SandboxFailed("timeout: no answer within the unit's time limit; the sandbox was killed")
-                continue
-            chunk = os.read(self._replies, min(n - got, 1 << 20))
-            if not chunk:
-                raise OSError("the sandbox closed its reply pipe")
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
 
     def _death(self, limits: UnitLimits) -> str:
         """Why the child died, once it has: as its zygote saw it, or, where the zygote went too, as
