@@ -129,8 +129,9 @@ for case in cold writer reader; do
   [[ $case != cold ]] && env+=(FARM_CACHE_STORE=$work/jit-store)
   [[ $case == reader ]] && env+=(FARM_CACHE_WRITE=0)
   start=$(date +%s.%N)
-  env "${env[@]}" timeout -k 5 120 "$py" tests/jit_step.py > "$out/jit_$case.log" 2>&1
+  env "${env[@]}" FARM_STEP_EXIT_TRACE="$out/jit_$case.exit.txt" timeout -k 5 120 "$py" tests/jit_step.py > "$out/jit_$case.log" 2>&1
   echo "$case: rc=$? process $("$py" -c "print(round($(date +%s.%N) - $start, 1))") s, step $(tail -1 "$out/jit_$case.log")"
+  echo "  after its last line: $(grep -c '^Timeout' "$out/jit_$case.exit.txt" 2>/dev/null) stack dumps, 0.5 s apart (logs.tgz: jit_$case.exit.txt)"
 done
 
 section "training steps on the GPU: cold first steps against warm_start (issue 28)"

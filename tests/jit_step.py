@@ -6,7 +6,8 @@ tests/test_remote_cache.py. With FARM_CACHE_STORE or FARM_CACHE_URL set, they ar
 `use_farm_cache` (FARM_CACHE_WRITE=0: it only reads), and its counts are printed too; kernel
 builds are counted either way (workers/backends/kernels.py, counting_builds). FARM_STEP_DEVICE=cuda
 runs it on the GPU (bench/gpu_zoo.sh). It prints the seconds of its imports, of use_farm_cache, of the step, and from its first line to its
-last (the rest of a timed process is the interpreter's start and exit)."""
+last (the rest of a timed process is the interpreter's start and exit; FARM_STEP_EXIT_TRACE=FILE
+writes every thread's stack there each 0.5 s after that last line, to show where an exit waits)."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,11 @@ def main() -> None:
                       "import_s": round(imported - BEGAN, 2), "farm_setup_s": round(setup_s, 2),
                       "farm_steps_s": farm.setup_s if farm else None, "farm": farm.stats() if farm else None,
                       "until_here_s": round(time.perf_counter() - BEGAN, 2)}))
+    if os.environ.get("FARM_STEP_EXIT_TRACE"):  # where a process's exit goes (bench/gpu_zoo.sh)
+        import faulthandler
+
+        trace = open(os.environ["FARM_STEP_EXIT_TRACE"], "w")  # noqa: SIM115 (open until the process ends)
+        faulthandler.dump_traceback_later(0.5, repeat=True, file=trace)
 
 
 if __name__ == "__main__":
