@@ -40,6 +40,18 @@
 #   threads, an empty Inductor cache) of gpt took 86.9 s, 80.8 s of it in GraphLowering.compile_to_fn
 #   (the C++ and Triton builds), and mlp's had not ended in 100 s: the farm's 72-82 s lowerings
 #   above are torch's cost, not the farm's.
+# - 2026-11-28 (later), H200, 528 s, all of it: zoo 143 s (4 compiled, lowering 70-84 s, 2.1-3.0x
+#   eager; mlp with CXX=/opt/gcc/bin/g++ refused, the crash named), autotune 88 s (max_autotune
+#   3.4x won over the default's 2.1x, by more than the noise), the 5 GPU tests passed (264 s);
+#   use_farm_cache processes cold 11.9 s, writer 10.3 s, reader 12.7 s, their step 3.4, 2.7 and
+#   1.4 s (the reader: 0 kernels built, every graph a hit); training steps warm/cold 0.53
+#   (inductor-cache:cuda) and 0.56 (aot-compile:cuda). The stacks dumped after the last line
+#   (FARM_STEP_EXIT_TRACE) found the reader's long exit: 4-4.5 s in torch's
+#   `shutdown_compile_workers`, waiting for Inductor's compile-worker subprocess, which torch starts
+#   as it compiles and which was still starting (it builds nothing in a reader). A second call,
+#   the same reader with TORCHINDUCTOR_COMPILE_THREADS=1 (no worker pool): process 8.4 s against
+#   11.6 and 12.4 s, 0.5 s after its last line, its step 1.5 s against 1.3-1.5 s. Torch's cost at
+#   exit, not the farm's; README, "use_farm_cache", says so.
 #
 #   bench/gpu_zoo.sh [OUTDIR]           # TARGET=aoti-cpu bench/gpu_zoo.sh: the same run on a CPU host
 #
