@@ -319,6 +319,23 @@ def test_a_child_started_ahead_serves_a_call_that_comes_after_its_start_limit(zo
         assert len(reply["identity"]["program"]) == 64 and sandbox.starts == 1
 
 
+def test_a_child_given_up_before_its_zygote_forked_it_is_never_forked(zoo_dir):
+    """A job that ends (or a worker that retires its child) while the zygote still imports torch
+    gives that child up: the zygote forks only the next one, which serves. (It used to fork the
+    given-up child too, which died at once on its removed HOME, a traceback in the zygote's log.)"""
+    from workers.unit import Target, Unit
+
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        sandbox.prestart(UnitLimits())
+        sandbox.retire(UnitLimits())  # at once: the zygote is still importing torch
+        reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                             program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
+        assert len(reply["identity"]["program"]) == 64 and sandbox.starts == 2
+        log = sandbox._zygote_log.read_text()
+        assert "skipped a child its worker gave up" in log and "Traceback" not in log, log
+
+
 def test_a_child_waited_for_as_its_worker_starts_serves_the_first_step_at_once(zoo_dir):
     """A pool counts a worker as started once its child is up (CompileWorker.warm): its first unit
     then waits for no torch import."""

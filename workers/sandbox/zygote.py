@@ -18,7 +18,8 @@ The worker asks over CONTROL_FD (a SOCK_SEQPACKET socket: one record per message
 record carrying the child's limits, HOME and start-up log, and two descriptors: the read end of
 its request pipe and the write end of its reply pipe. The zygote answers {"forked": PID} (its PID
 inside the jail), waits for that child, and answers {"exited": CODE} (negative: the signal that
-ended it) before it takes the next request. It exits when the worker closes the socket, and dies
+ended it) before it takes the next request; a request the worker gave up before its fork (its
+reply pipe has no reader) is answered {"exited": 0} alone, and nothing is forked. It exits when the worker closes the socket, and dies
 with the worker. A record with "warm_lowering" (a child of this zygote has lowered) has it first
 do, once, what a process's first lowering does beyond the imports (steps.warm_up_lowering), so
 that its later children lower their first unit as fast as their next.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -96,6 +98,15 @@ def _start_fresh(reply_fd: int, limits: dict, device: str) -> None:
                               json.dumps(limits)])
 
 
+def _abandoned(reply_fd: int) -> bool:
+    """Did the worker give this child up before we forked it (its job ended, or it was retired,
+    while we imported torch)? Then nobody reads its replies: a pipe's write end polls as an error
+    once its read end is closed. Forked anyway, it found its HOME removed and died at start."""
+    poller = select.poll()
+    poller.register(reply_fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def _warm_lowering() -> None:
     """Once a child of ours has lowered, this zygote will likely fork more that lower (a worker's
     next jobs): what a process's first lowering does beyond the imports (steps.warm_up_lowering)
@@ -130,6 +141,12 @@ def main() -> None:
         if request.get("warm_lowering") and not lowering_warmed:
             _warm_lowering()
             lowering_warmed = True
+        if _abandoned(fds[1]):
+            for fd in fds:
+                os.close(fd)
+            print("sandbox zygote: skipped a child its worker gave up before it was forked", file=sys.stderr, flush=True)
+            _say(control, {"exited": 0})  # (the worker counts one exit per child it asked for)
+            continue
         pid = os.fork()
         if pid == 0:
             status = 0
