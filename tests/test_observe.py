@@ -224,19 +224,17 @@ def test_a_cluster_that_refuses_this_process_is_said_at_once_with_the_fix(ray_cl
     """The session's cluster wants its token. A process with RAY_AUTH_MODE unset (Ray then sends
     none, though ~/.ray/auth_token may exist, and `ray start` turned auth on because it did), or
     with another token, is told so at once, not after Ray's 20 s of retries, with what to set."""
-    import time
-
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     for case, extra in (("no mode", {}), ("another token", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 64})):
-        start = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "farm", "submit", str(job), "--address", ray_cluster.address,
                                "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=120,
                               env={**env, **extra}, stdin=subprocess.DEVNULL)
         err = done.stderr
+        # these words come only from the check made before `ray.init` (ray_session._joinable); after Ray's
+        # own 20 s of retries the cause would be Ray's error (no time is compared: machines differ)
         assert done.returncode == 2 and "the cluster refused this process" in err and "Traceback" not in err, (case, err)
-        assert time.monotonic() - start < 15, (case, err)  # Ray's own client gives up after about 20 s
         assert ("export RAY_AUTH_MODE=token" in err) == (case == "no mode"), (case, err)
         assert "f" * 64 not in err and os.environ["RAY_AUTH_TOKEN"] not in err
 
