@@ -1,4 +1,4 @@
-"""A sandbox zygote whose children never say they are ready (tests/test_sandbox.py).
+"""A sandbox zygote whose children never say they are ready (tests/test_sandbox_children.py).
 
     python -m tests.silent_zygote CONTROL_FD DEVICE
 """

@@ -1,5 +1,5 @@
 """A sandbox zygote that never forks the child asked for, as one still waiting for an earlier
-child to exit would (tests/test_sandbox.py).
+child to exit would (tests/test_sandbox_children.py).
 
     python -m tests.unforking_zygote CONTROL_FD DEVICE
 """
