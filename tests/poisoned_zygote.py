@@ -1,6 +1,6 @@
 """A sandbox zygote whose children find CUDA unusable after the fork, as a zygote that had
-initialized CUDA before forking leaves them (tests/test_sandbox_children.py): torch's flag for it is set
-in every child, whatever this host's GPU.
+initialized CUDA before forking leaves them (tests/test_sandbox_children.py): torch's flag for it
+is set in every child, whatever this host's GPU.
 
     python -m tests.poisoned_zygote CONTROL_FD DEVICE
 """

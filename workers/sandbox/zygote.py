@@ -19,8 +19,8 @@ record carrying the child's limits, HOME and start-up log, and two descriptors: 
 its request pipe and the write end of its reply pipe. The zygote answers {"forked": PID} (its PID
 inside the jail), waits for that child, and answers {"exited": CODE} (negative: the signal that
 ended it) before it takes the next request; a request the worker gave up before its fork (its
-reply pipe has no reader) is answered {"exited": 0} alone, and nothing is forked. It exits when the worker closes the socket, and dies
-with the worker. A record with "warm_lowering" (a child of this zygote has lowered) has it first
+reply pipe has no reader) is answered {"exited": 0} alone, and nothing is forked. It exits when
+the worker closes the socket, and dies with the worker. A record with "warm_lowering" (a child of this zygote has lowered) has it first
 do, once, what a process's first lowering does beyond the imports (steps.warm_up_lowering), so
 that its later children lower their first unit as fast as their next.
 
