@@ -20,9 +20,10 @@ its request pipe and the write end of its reply pipe. The zygote answers {"forke
 inside the jail), waits for that child, and answers {"exited": CODE} (negative: the signal that
 ended it) before it takes the next request; a request the worker gave up before its fork (its
 reply pipe has no reader) is answered {"exited": 0} alone, and nothing is forked. It exits when
-the worker closes the socket, and dies with the worker. A record with "warm_lowering" (a child of this zygote has lowered) has it first
-do, once, what a process's first lowering does beyond the imports (steps.warm_up_lowering), so
-that its later children lower their first unit as fast as their next.
+the worker closes the socket, and dies with the worker. A record with "warm_lowering" (a child of
+this zygote has lowered) has it first do, once, what a process's first lowering does beyond the
+imports (steps.warm_up_lowering), so that its later children lower their first unit as fast as
+their next.
 
 A CUDA zygote must not initialize CUDA, or no child forked from it can use it: its environment
 has torch ask NVML instead (process.Sandbox._start_zygote), and a child that finds CUDA unusable
