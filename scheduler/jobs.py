@@ -286,13 +286,15 @@ def new_job_id(name: str) -> str:
 
 
 def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events: Events = NoEvents(),
-            job_id: str | None = None) -> JobOutcome:
+            job_id: str | None = None, settle: Callable[[], str] | None = None) -> JobOutcome:
+    """Run the job; its record ends `done`, or what `settle` says once its units ended (a farm
+    service's job cancelled while units ran ends `cancelled`: its status never says `done` first)."""
     start = time.perf_counter()
     outcome = JobOutcome(job_id or new_job_id(job.name), store.uri)
     store.put_job_file(outcome.job_id, "job.yaml", job_to_yaml(job).encode())
     status = StatusFile(store, outcome.job_id, events)
     try:  # whatever stops it, the record must not say it still runs (`farm jobs`, `farm status`)
-        return _execute(job, store, runner, status, outcome, start)
+        return _execute(job, store, runner, status, outcome, start, settle or (lambda: "done"))
     except KeyboardInterrupt:
         status.end(state="cancelled", error="interrupted (Ctrl-C) in the process that ran it")
         raise JobInterrupted(outcome.job_id) from None
@@ -305,7 +307,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
 
 
 def _execute(job: JobSpec, store: Store, runner: Runner, status: StatusFile, outcome: JobOutcome,
-             start: float) -> JobOutcome:
+             start: float, settle: Callable[[], str]) -> JobOutcome:
     units = plan(job, store)
     gangs = plan_gangs(job, store)
     check_specializations(job, store, units)
@@ -320,7 +322,7 @@ def _execute(job: JobSpec, store: Store, runner: Runner, status: StatusFile, out
     except StoreError as e:  # what published stays published; the job's record must not say it still runs
         status.end(state="failed", error=f"its results were not written: {e}")
         raise
-    status.end(state="done", wall_s=round(outcome.wall_s, 3))
+    status.end(state=settle(), wall_s=round(outcome.wall_s, 3))
     return outcome
 
 

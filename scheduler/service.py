@@ -302,9 +302,11 @@ class FarmScheduler:
                 self.records.put(record)
             runner = ServiceRunner(self.pool, record.job_id, record.priority, job.limits.workers)
             observer = RayObserver(NoEvents(), job.name, record.job_id, self.store.uri)
-            outcome = execute(job, self.store, runner, observer, record.job_id)
+            # done unless a cancel came first; decided once, under the lock `_cancel` takes, so a
+            # cancelled job's status never says `done`, not even for a moment
+            outcome = execute(job, self.store, runner, observer, record.job_id,
+                              settle=lambda: "done" if self._moved(record, "running", "done") else record.state)
             observer.done(outcome)
-            self._moved(record, "running", "done")
         except Exception as e:  # noqa: BLE001 - a job's thread has no caller: its record says what stopped it
             log.exception("farm service: job %s stopped", record.job_id)
             if self._moved(record, ("queued", "running"), "failed"):

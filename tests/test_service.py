@@ -148,6 +148,12 @@ def test_cancel_stops_a_job_and_leaves_nothing_half_published(service, ray_clust
         time.sleep(0.2)
     said = service.cancel(handle.job_id)
     assert said["units_stopped"] >= 1
+    seen = []  # read often: a client polling its status must never see `done`, not even for a moment
+    while not seen or seen[-1] not in ("done", "cancelled", "failed"):
+        assert time.monotonic() < deadline + 600, seen[-5:]
+        seen.append(handle.status()["state"])
+        time.sleep(0.02)
+    assert set(seen) <= {"running", "cancelled"}, seen
     assert _wait(handle)["state"] == "cancelled"
     rows = read_results(handle.store, handle.job_id)
     assert sorted(r["graph"] for r in rows) == sorted(graphs)
