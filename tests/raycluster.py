@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
-from contextlib import closing
+import time
+from contextlib import closing, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +35,50 @@ class RayCluster:
     metrics: tuple[str, ...] = ()  # each node's Prometheus endpoint, http://IP:PORT/metrics
 
     def stop(self) -> None:
-        subprocess.run([_ray(), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        stop_cluster(int(self.address.rsplit(":", 1)[1]))
 
 
-def _ray() -> str:
-    return str(Path(sys.executable).parent / "ray")
+def stop_cluster(port: int) -> None:
+    """Kill this cluster's processes alone: every process whose command line names its GCS port
+    (raylets, GCS, dashboard, monitors, client server) and all their descendants (workers,
+    agents, sandboxes). Never `ray stop`: it kills every Ray process the machine shows, those of
+    a test's own cluster in a PID namespace of its own included (tests/test_cluster_recipe.py's
+    recipe died with this session's teardown)."""
+    named = re.compile(rf"[:=]{port}(\D|$)")
+    tree: dict[int, list[int]] = {}
+    roots = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with suppress(OSError):
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            tree.setdefault(ppid, []).append(int(entry))
+            if named.search(cmdline) and int(entry) != os.getpid():
+                roots.append(int(entry))
+    doomed, todo = set(), list(roots)
+    while todo:  # the whole tree first: a worker whose raylet died is re-parented to init
+        pid = todo.pop()
+        if pid not in doomed:
+            doomed.add(pid)
+            todo.extend(tree.get(pid, ()))
+    for pid in doomed:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in doomed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    address_file = Path("/tmp/ray/ray_current_cluster")  # as `ray stop` does, where it names this cluster
+    with suppress(OSError):
+        if address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _ray_on_loopback() -> list[str]:
@@ -68,7 +110,7 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, n
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
-            subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+            stop_cluster(port)
             raise RuntimeError(f"{' '.join(cmd[:5])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return RayCluster(f"{HEAD_IP}:{port}", env, head_resources, node_resources, f"http://{HEAD_IP}:{dashboard_port}",
                       (f"http://{HEAD_IP}:{metrics[0]}/metrics", f"http://{NODE_IP}:{metrics[1]}/metrics"))
