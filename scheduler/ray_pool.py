@@ -30,7 +30,7 @@ from workers.sandbox import tempdirs
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
 __all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "TaskFailed",
-           "run_tasks"]
+           "close_ranks", "run_tasks"]
 
 CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
 
@@ -109,12 +109,20 @@ class RayRunner(WorkerPool):
     # computes keys exactly as the workers would: the embedded Ray, whose workers share its
     # Python environment (a remote cluster's image may have another torch or compiler).
     lookup_first: bool = False
+    # A process that runs job after job keeps its gangs' CPU ranks warm in these for the next
+    # gangs of the same shape (as a farm service does) and stops them itself: `close_ranks`.
+    gang_ranks: WarmRanks | None = None
 
     def gangs(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
         """Multi-rank models, after the pool's units (whose workers have released their slots)."""
         if gangs:
             self.cluster.up()
-        yield from GangRunner(self.job_id)(gangs, store, events)
+        yield from GangRunner(self.job_id, warm=self.gang_ranks)(gangs, store, events)
+
+
+def close_ranks(warm: WarmRanks) -> None:
+    """Stop the idle warm ranks (those of running gangs stop with their gang)."""
+    _stop(warm.close())
 
 
 class GangRunner:

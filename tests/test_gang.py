@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import ray
 
+from scheduler.gang_warm import WarmRanks
 from scheduler.jobs import NoEvents, execute
-from scheduler.ray_pool import PoolConfig, RayRunner
+from scheduler.ray_pool import PoolConfig, RayRunner, close_ranks
 from scheduler.spec import parse_job
 from storage import store_from_uri
 from storage.tuning import record_path
@@ -21,13 +22,23 @@ from workers.autotune.share import fingerprint_of
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, gangs, job_id, targets=("aoti-cpu:avx2",), events=NoEvents(), **extra):
+@pytest.fixture(scope="module")
+def warm(ray_cluster):
+    """Gang ranks kept warm from one test's job to the next, as a process that runs job after job
+    keeps them (RayRunner.gang_ranks): the tests that start their ranks cold say so, and why."""
+    ranks = WarmRanks(idle_s=3600)
+    yield ranks
+    close_ranks(ranks)
+
+
+def _run(tmp_path, gangs, job_id, targets=("aoti-cpu:avx2",), events=NoEvents(), warm=None, **extra):
     job = parse_job({"name": job_id, "gangs": gangs, "targets": list(targets), **extra})
     store = store_from_uri(str(tmp_path / "store"))
-    return execute(job, store, RayRunner(PoolConfig(), job_id=job_id), events=events), store
+    return execute(job, store, RayRunner(PoolConfig(), job_id=job_id, gang_ranks=warm), events=events), store
 
 
 def test_identical_data_parallel_ranks_compile_once(ray_cluster, tmp_path):
+    """Cold ranks: each its own actor in the gang's bundles, the waiting ones started as rank 0 lowers."""
     pattern = replicas(tmp_path, 4)
     outcome, _ = _run(tmp_path, [{"name": "dp", "ranks": pattern, "world_size": 4}], "dp")
     results = outcome.results
@@ -41,9 +52,9 @@ def test_identical_data_parallel_ranks_compile_once(ray_cluster, tmp_path):
     assert results[0].metrics["gang_compiled_early"] == 1.0 and "agree" in results[0].timings
 
 
-def test_tensor_parallel_ranks_agree_on_one_range_and_verify_across_the_gang(ray_cluster, tmp_path):
+def test_tensor_parallel_ranks_agree_on_one_range_and_verify_across_the_gang(ray_cluster, tmp_path, warm):
     paths = shards(tmp_path, "tp", 2, ranges=[(2, 32), (4, 16)], examples=[8, 6])
-    outcome, store = _run(tmp_path, [{"name": "tp", "ranks": paths, "world_size": 2}], "tp")
+    outcome, store = _run(tmp_path, [{"name": "tp", "ranks": paths, "world_size": 2}], "tp", warm=warm)
     for r in outcome.results:
         assert r.status == "compiled", r.error
         assert r.metrics["max_abs_err"] <= 1e-4 and r.metrics["compiled_ms"] > 0  # ran over the real group
@@ -53,10 +64,10 @@ def test_tensor_parallel_ranks_agree_on_one_range_and_verify_across_the_gang(ray
     assert len({r.key for r in outcome.results}) == 2  # different shards: two compiles
 
 
-def test_an_extra_all_reduce_on_one_rank_fails_the_gang_before_compiling(ray_cluster, tmp_path):
+def test_an_extra_all_reduce_on_one_rank_fails_the_gang_before_compiling(ray_cluster, tmp_path, warm):
     paths = shards(tmp_path, "div", 4, ranges=[(2, 32)] * 4, examples=[4] * 4, extra_on=3)
     start = time.monotonic()
-    outcome, store = _run(tmp_path, [{"name": "div", "ranks": paths, "world_size": 4}], "div")
+    outcome, store = _run(tmp_path, [{"name": "div", "ranks": paths, "world_size": 4}], "div", warm=warm)
     print(f"a divergent gang of 4 failed in {time.monotonic() - start:.1f}s")
     for r in outcome.results:
         assert r.status == "failed"
@@ -66,9 +77,9 @@ def test_an_extra_all_reduce_on_one_rank_fails_the_gang_before_compiling(ray_clu
     assert outcome.count("compiled") == 0
 
 
-def test_conflicting_dynamic_ranges_are_reported_not_guessed(ray_cluster, tmp_path):
+def test_conflicting_dynamic_ranges_are_reported_not_guessed(ray_cluster, tmp_path, warm):
     paths = shards(tmp_path, "far", 2, ranges=[(2, 8), (16, 32)], examples=[4, 20])
-    outcome, _ = _run(tmp_path, [{"name": "far", "ranks": paths, "world_size": 2}], "far")
+    outcome, _ = _run(tmp_path, [{"name": "far", "ranks": paths, "world_size": 2}], "far", warm=warm)
     for r in outcome.results:
         assert r.status == "failed" and "x.0" in r.error and "do not overlap" in r.error, r.error
 
@@ -86,7 +97,7 @@ def test_killing_one_ranks_actor_fails_its_gang_quickly_and_the_job_goes_on(ray_
     killed: dict[str, float] = {}
 
     def kill_rank_1():
-        name = "kill/gang/tpk@aoti-cpu:avx2/rank1"
+        name = "kill/gang/tpk@aoti-cpu:avx2/rank1"  # cold ranks: a gang's own bear its name
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -115,9 +126,9 @@ def test_killing_one_ranks_actor_fails_its_gang_quickly_and_the_job_goes_on(ray_
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
-def test_inductor_cache_ranks_mark_the_same_dimensions_dynamic(ray_cluster, tmp_path):
+def test_inductor_cache_ranks_mark_the_same_dimensions_dynamic(ray_cluster, tmp_path, warm):
     paths = shards(tmp_path, "ic", 2, ranges=[(2, 32)] * 2, examples=[4, 6])
-    outcome, store = _run(tmp_path, [{"name": "ic", "ranks": paths, "world_size": 2}], "ic",
+    outcome, store = _run(tmp_path, [{"name": "ic", "ranks": paths, "world_size": 2}], "ic", warm=warm,
                           targets=("inductor-cache:avx2",))
     facts = []
     for r in outcome.results:
@@ -127,11 +138,12 @@ def test_inductor_cache_ranks_mark_the_same_dimensions_dynamic(ray_cluster, tmp_
     assert facts[0]["graphs_compiled"] == facts[1]["graphs_compiled"] == 1  # dynamic from the first call
 
 
-def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_all(ray_cluster, tmp_path):
+def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_all(ray_cluster, tmp_path, warm):
     pattern = replicas(tmp_path, 2)
     broken = {"name": "broken", "options": {"no_such_inductor_setting": 1}}
     target = {"backend": "aoti-cpu", "isa": "avx2", "autotune": {"candidates": ["default", "single_thread", broken]}}
-    outcome, store = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 2}], "tune", targets=(target,))
+    outcome, store = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 2}], "tune", targets=(target,),
+                          warm=warm)
     results = outcome.results
     assert len(results) == 2 and all(r.status in ("compiled", "hit") for r in results), [r.error for r in results]
     # the leader keeps the tuning record: every candidate's outcome, a failed one with its error
@@ -155,9 +167,9 @@ def test_autotune_candidates_are_split_across_ranks_and_one_winner_applies_to_al
     assert not list(Path(ray_cluster.env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.wrapper.so"))
 
 
-def test_data_parallel_training_ranks_compile_the_step_once(ray_cluster, tmp_path):
+def test_data_parallel_training_ranks_compile_the_step_once(ray_cluster, tmp_path, warm):
     pattern = replicas(tmp_path, 4)
-    outcome, store = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 4}], "dpt",
+    outcome, store = _run(tmp_path, [{"name": "dpt", "ranks": pattern, "world_size": 4}], "dpt", warm=warm,
                           targets=("inductor-cache:avx2+train",))
     statuses = [r.status for r in outcome.results]
     assert statuses.count("compiled") == 1 and statuses.count("hit") == 3, [(r.status, r.error) for r in outcome.results]
@@ -166,9 +178,9 @@ def test_data_parallel_training_ranks_compile_the_step_once(ray_cluster, tmp_pat
     assert facts["mode"] == "train" and facts["graphs"]["backward"] >= 1
 
 
-def test_tensor_parallel_training_through_all_reduce_compiles_and_verifies_its_gradients(ray_cluster, tmp_path):
+def test_tensor_parallel_training_through_all_reduce_compiles_and_verifies_its_gradients(ray_cluster, tmp_path, warm):
     paths = shards(tmp_path, "tpt", 2, ranges=[(2, 32)] * 2, examples=[4, 6])
-    outcome, store = _run(tmp_path, [{"name": "tpt", "ranks": paths, "world_size": 2}], "tpt",
+    outcome, store = _run(tmp_path, [{"name": "tpt", "ranks": paths, "world_size": 2}], "tpt", warm=warm,
                           targets=("inductor-cache:avx2+train",))
     for r in outcome.results:  # autograd differentiates _c10d_functional.all_reduce in torch 2.13
         assert r.status == "compiled", r.error
