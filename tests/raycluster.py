@@ -51,8 +51,8 @@ def stop_cluster(port: int) -> None:
         if not entry.isdigit():
             continue
         with suppress(OSError):
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
             tree.setdefault(ppid, []).append(int(entry))
             if named.search(cmdline) and int(entry) != os.getpid():
                 roots.append(int(entry))
@@ -76,7 +76,7 @@ def stop_cluster(port: int) -> None:
 
 def _zombie(pid: int) -> bool:
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
 

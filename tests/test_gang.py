@@ -97,7 +97,7 @@ def test_killing_one_ranks_actor_fails_its_gang_quickly_and_the_job_goes_on(ray_
     killed: dict[str, float] = {}
 
     def kill_rank_1():
-        name = "kill/gang/tpk@aoti-cpu:avx2/rank1"  # cold ranks: a gang's own bear its name
+        name = "kill/gang/tpk@aoti-cpu:avx2/rank1"  # cold ranks: only a gang's own actors bear such names
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
