@@ -286,7 +286,7 @@ def new_job_id(name: str) -> str:
 
 
 def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events: Events = NoEvents(),
-            job_id: str | None = None, settle: Callable[[], str] | None = None) -> JobOutcome:
+            job_id: str | None = None, settle: Callable[[], str] = lambda: "done") -> JobOutcome:
     """Run the job; its record ends `done`, or what `settle` says once its units ended (a farm
     service's job cancelled while units ran ends `cancelled`: its status never says `done` first)."""
     start = time.perf_counter()
@@ -294,7 +294,7 @@ def execute(job: JobSpec, store: Store, runner: Runner = run_in_process, events:
     store.put_job_file(outcome.job_id, "job.yaml", job_to_yaml(job).encode())
     status = StatusFile(store, outcome.job_id, events)
     try:  # whatever stops it, the record must not say it still runs (`farm jobs`, `farm status`)
-        return _execute(job, store, runner, status, outcome, start, settle or (lambda: "done"))
+        return _execute(job, store, runner, status, outcome, start, settle)
     except KeyboardInterrupt:
         status.end(state="cancelled", error="interrupted (Ctrl-C) in the process that ran it")
         raise JobInterrupted(outcome.job_id) from None

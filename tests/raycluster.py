@@ -16,6 +16,8 @@ from contextlib import closing, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.sandbox.jail import proc_stat
+
 HEAD_IP = NODE_IP = "127.0.0.1"  # two raylets on one IP, as Ray's own multi-node tests run
 
 
@@ -50,12 +52,13 @@ def stop_cluster(port: int) -> None:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        pid, fields = int(entry), proc_stat(int(entry))
         with suppress(OSError):
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            tree.setdefault(ppid, []).append(int(entry))
-            if named.search(cmdline) and int(entry) != os.getpid():
-                roots.append(int(entry))
+            if fields:
+                tree.setdefault(int(fields[1]), []).append(pid)
+            if named.search(cmdline) and pid != os.getpid():
+                roots.append(pid)
     doomed, todo = set(), list(roots)
     while todo:  # the whole tree first: a worker whose raylet died is re-parented to init
         pid = todo.pop()
@@ -66,19 +69,12 @@ def stop_cluster(port: int) -> None:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in doomed) and time.monotonic() < deadline:
+    while any(proc_stat(pid)[:1] not in (["Z"], []) for pid in doomed) and time.monotonic() < deadline:  # until each is gone (or a zombie)
         time.sleep(0.1)
     address_file = Path("/tmp/ray/ray_current_cluster")  # as `ray stop` does, where it names this cluster
     with suppress(OSError):
         if address_file.read_text().strip().endswith(f":{port}"):
             address_file.unlink()
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _ray_on_loopback() -> list[str]:

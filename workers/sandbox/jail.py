@@ -268,7 +268,7 @@ def first_child(pid: int) -> int | None:
     return int(children[0]) if children else None
 
 
-def _stat(pid: int) -> list[str]:
+def proc_stat(pid: int) -> list[str]:
     """/proc/PID/stat's fields after the command's name (state, parent pid, ...); [] once gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -279,7 +279,7 @@ def _stat(pid: int) -> list[str]:
 def stopped_or_gone(pid: int) -> bool:
     """Whether pid (a host pid) is stopped by a signal, traced or gone: such a zygote forks
     nothing, and the worker's next call would wait out its start-up limit."""
-    return _stat(pid)[:1] in (["T"], ["t"], [])
+    return proc_stat(pid)[:1] in (["T"], ["t"], [])
 
 
 def sweep(zygote: int | None) -> None:
@@ -289,7 +289,7 @@ def sweep(zygote: int | None) -> None:
         return
     try:
         namespace = os.readlink(f"/proc/{zygote}/ns/pid")
-        keep = {zygote, int(_stat(zygote)[1])}
+        keep = {zygote, int(proc_stat(zygote)[1])}
     except (OSError, ValueError, IndexError):
         return
     for entry in os.scandir("/proc"):
