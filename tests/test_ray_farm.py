@@ -14,7 +14,7 @@ import yaml
 import ray
 
 from scheduler.spec import parse_job
-from scheduler.jobs import NoEvents, execute
+from scheduler.jobs import execute
 from scheduler.ray_pool import PoolConfig, RayRunner
 from storage import store_from_uri
 from storage.results import read_results
@@ -106,25 +106,20 @@ def test_a_unit_past_its_timeout_fails_fast_and_the_rest_compile(ray_cluster, zo
                     "aoti-cpu:x86-64"],
     })
     runner = RayRunner(PoolConfig(), job_id="timeout")
-    finished_at = {}
-    start = time.monotonic()
-
-    class Clock(NoEvents):
-        def started(self, unit): finished_at.setdefault(("start", unit.unit_id), time.monotonic())
-        def finished(self, unit, result): finished_at[unit.unit_id] = time.monotonic()
-
-    outcome = execute(job, store_from_uri(str(tmp_path)), runner, events=Clock())
+    outcome = execute(job, store_from_uri(str(tmp_path)), runner)
     by_id = {f"{r.graph}@{r.target}": r for r in outcome.results}
     for uid in ("cnn@aoti-cpu:avx2", "mlp@aoti-cpu:avx2"):
         r = by_id[uid]
-        assert r.status == "failed" and r.error and "timeout" in r.error, (uid, r.error)
-        ran = finished_at[uid] - finished_at[("start", uid)]
-        assert 2 <= ran <= 30, ran  # its sandbox killed at its limit (plus the sandbox's own start)
+        # ended by its sandbox at the unit's own limit, not by the pool's grace period past it (which
+        # would say "still running ... after its limit"); no wall-clock bound, since the sandbox's own
+        # start on a busy machine is rightly not the unit's time
+        assert r.status == "failed" and r.error and "timeout: no answer within the unit's time limit" in r.error, \
+            (uid, r.error)
+        assert r.retries == 0, (uid, r.retries)  # a timeout is the unit's, never retried
     for uid in ("cnn@aoti-cpu:x86-64", "mlp@aoti-cpu:x86-64"):
         assert by_id[uid].status == "compiled", by_id[uid].error
     avx2_slots = [s for s in runner.slots if s.resource == "farm_cpu_avx2"]
     assert avx2_slots and all(s.generation == 1 for s in avx2_slots)  # the sandbox died, never the worker
-    assert time.monotonic() - start < 300
 
 
 def test_two_jobs_submitted_at_once_compile_each_key_once(ray_cluster, zoo_dir, tmp_path):
@@ -179,9 +174,7 @@ def test_workers_that_die_while_starting_fail_their_units_after_bounded_restarts
 
     monkeypatch.setattr(ray_pool, "_RemoteWorker", ray.remote(max_restarts=0)(BrokenNode))
     job = parse_job({"graphs": [str(zoo_dir / "mlp.pt2"), str(zoo_dir / "cnn.pt2")], "targets": ["aoti-cpu:avx2"]})
-    start = time.monotonic()
     outcome = execute(job, store_from_uri(str(tmp_path)), RayRunner(PoolConfig(start_attempts=3), job_id="broken"))
-    assert time.monotonic() - start < 120  # bounded: never restarted forever
     assert [r.status for r in outcome.results] == ["failed", "failed"]
     for r in outcome.results:
         assert "farm_cpu_avx2 died while starting 3 times in a row" in r.error, r.error
