@@ -1,6 +1,6 @@
 """Fan-out efficiency: the zoo compiled serially in one process vs. through the farm on W Ray
 workers, in one run. Each side starts cold: a fresh store and a fresh Inductor cache of its own
-(where a jailed sandbox keeps Inductor's precompiled headers too: each side builds them), and pays
+and fresh precompiled headers (FARM_INDUCTOR_HEADERS: each side builds them), and pays
 one torch start-up per sandbox (the serial
 process's, and each worker's: the processes around them import no torch). Ray's own start is
 not counted: a farm's cluster is already up. Its node found out which ISAs it offers (Inductor's
@@ -83,7 +83,7 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
     made them in its own when its cluster started (like for like); without, the serial side makes
     them in its window, as this bench has always measured it. With `warm_up`, a job of those
     graphs ran in that cache first (in another process, its own store), as on the served service."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache")}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache"), "FARM_INDUCTOR_HEADERS": str(root / "headers")}
     if probed:
         _probe_host(root / "cache")
     if warm_up:
@@ -188,6 +188,7 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
     from storage import store_from_uri
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache")  # inherited by the workers
+    os.environ["FARM_INDUCTOR_HEADERS"] = str(root / "headers")
     _probe_host(root / "cache")  # (a second Ray session of this process would not: see _probe_host)
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})
     with ray_session(None, slots=workers):
@@ -243,6 +244,7 @@ def _on_a_served_service(root: Path, graphs: list[str], targets: list[str], warm
     from scheduler.service_config import ServiceConfig
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-service")
+    os.environ["FARM_INDUCTOR_HEADERS"] = str(root / "headers-service")
     with ray_session(None, slots=workers):
         start_service(str(root / "store-service"), ServiceConfig(min_workers=workers))
         service = Service(find_service(), call(find_service(), "ping"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,21 +103,15 @@ def _starts(rounds: int = 4) -> tuple[dict[str, list[float]], dict[str, list[flo
 
 
 def _jail_pch(root: Path, graph: str) -> None:
-    """The jail's precompiled header lives in its own cache (workers/sandbox/env.py): build it in
-    a throwaway jailed compile and copy it into the jail side's cache, as /tmp holds the process
-    side's, so that neither side's cold run builds it."""
+    """The jail's precompiled headers are the node's, in the part of /tmp's Inductor dir that
+    jailed children may write (workers/sandbox/env.py): build them in a throwaway jailed compile,
+    as the process side's are built in /tmp, so that neither side's cold run builds them."""
     from scheduler.jobs import execute
     from scheduler.spec import parse_job
     from storage import store_from_uri
-    from workers.sandbox import jail
-    from workers.sandbox.env import childrens
 
     os.environ["FARM_SANDBOX"], os.environ["TORCHINDUCTOR_CACHE_DIR"] = "jail", str(root / "pch-jail")
     execute(parse_job({"graphs": [graph], "targets": ["aoti-cpu"]}), store_from_uri(str(root / "store-pch-jail")))
-    built, dest = childrens(root / "pch-jail"), childrens(root / "inductor-jail")
-    shutil.copytree(built / "precompiled_headers", dest / "precompiled_headers")
-    for path in [dest / "precompiled_headers", *(dest / "precompiled_headers").rglob("*")]:
-        jail.make_writable(path)
 
 
 def main() -> None:

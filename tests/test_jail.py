@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from workers.sandbox import jail
+from workers.sandbox.env import header_dir, jailed_env
 from workers.sandbox.process import Sandbox
 
 pytestmark = pytest.mark.skipif(jail.problem_here() is not None,
@@ -139,13 +140,15 @@ def test_a_gangs_child_keeps_the_network_its_collectives_need(tmp_path):
     assert jail.isolation(network=True).network == "host"
 
 
-def test_a_lowering_runs_jailed_and_its_manifest_says_so(zoo_dir, tmp_path):
+def test_a_lowering_runs_jailed_and_its_manifest_says_so(zoo_dir, tmp_path, monkeypatch):
     """The issue's acceptance: while a compile lowers, its child is seen through /proc with a
-    non-zero uid, in network and mount namespaces of its own; the manifest records it."""
+    non-zero uid, in network and mount namespaces of its own; the manifest records it. Its
+    Inductor cache dir is a fresh one, yet its kernels build with the node's precompiled headers."""
     from scheduler.jobs import execute, run_units_in
     from scheduler.spec import parse_job
     from storage import store_from_uri
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "fresh-cache"))
     store, seen, sandbox = store_from_uri(str(tmp_path / "store")), [], Sandbox()
     done = threading.Event()
 
@@ -179,6 +182,18 @@ def test_a_lowering_runs_jailed_and_its_manifest_says_so(zoo_dir, tmp_path):
     assert all(ns[n] != ours[n] for _, ns in seen for n in ours)
     isolation = store.get_manifest(result.key)["isolation"]
     assert isolation == {"mode": "jail", "uid": seen[0][0], "network": "none", "seccomp": True}
+    # the headers are the node's, as an unjailed Inductor's are: a fresh cache dir builds no set of its own
+    assert list((tmp_path / "fresh-cache").rglob("*.cpp")) and not list((tmp_path / "fresh-cache").rglob("*.gch"))
+    assert list(header_dir().glob("*.h.gch"))
+
+
+def test_a_bench_can_give_each_side_precompiled_headers_of_its_own(tmp_path, monkeypatch):
+    """FARM_INDUCTOR_HEADERS, for a bench's cold sides: a jailed child's headers go there instead."""
+    monkeypatch.setenv("FARM_INDUCTOR_HEADERS", str(tmp_path / "headers"))
+    env, binds = jailed_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    inside = Path("/tmp") / f"torchinductor_{env['USER']}" / "precompiled_headers"
+    (source,) = [src for src, dest in binds if dest == inside]
+    assert source == header_dir() and source.is_relative_to(tmp_path / "headers") and source.is_dir()
 
 
 def test_a_host_that_cannot_jail_refuses_under_jail_and_says_so_loudly_otherwise(monkeypatch, tmp_path, capfd):

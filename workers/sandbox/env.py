@@ -44,16 +44,20 @@ def inductor_cache_dir() -> str:
     loaded = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
     if loaded is not None:
         return loaded.cache_dir()
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is None:
-        try:
-            user = getpass.getuser()
-        except (KeyError, ModuleNotFoundError, OSError):
-            user = f"uid_{os.getuid()}"
-        chosen = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_inductor_dir()
     chosen = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(chosen)
     os.makedirs(chosen, exist_ok=True)
     return chosen
+
+
+def default_inductor_dir() -> str:
+    """Inductor's default cache dir, the temp dir's `torchinductor_<user>`, which is also where it
+    keeps its precompiled headers whatever TORCHINDUCTOR_CACHE_DIR says (codecache._HEADER_DIR)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def shared_cache_dir() -> str:
@@ -62,6 +66,14 @@ def shared_cache_dir() -> str:
     (workers/backends/inductor_host.py), so a worker finds what its child found."""
     given = os.environ.get("FARM_SHARED_CACHE")  # a child: where its worker said
     return given or str(childrens(Path(inductor_cache_dir())))
+
+
+def header_dir() -> Path:
+    """Where a jailed child's Inductor keeps its precompiled headers: the node's (beside Inductor's
+    default cache dir, where an unjailed Inductor keeps them), or FARM_INDUCTOR_HEADERS, which a
+    bench sets to a fresh dir per side so that each side builds its own."""
+    given = os.environ.get("FARM_INDUCTOR_HEADERS")
+    return childrens(Path(given)) if given else childrens(Path(default_inductor_dir())) / "precompiled_headers"
 
 
 def childrens(cache: Path) -> Path:
@@ -122,10 +134,21 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
             path = childrens(Path(env[name]))
             env[name] = str(path)
             binds.append((path, path))
-    # Inductor builds its precompiled header under the default cache dir, <tmp>/torchinductor_<user>,
+    # Inductor builds its precompiled headers under the default cache dir, <tmp>/torchinductor_<user>,
     # whatever TORCHINDUCTOR_CACHE_DIR says. In the jail's own /tmp that is bound to the jail's
     # cache too: a fresh child finds it built, and clearing /tmp between units leaves it.
     user = "nobody" if other_uid else getpass.getuser()
     env["USER"] = env["LOGNAME"] = user
-    binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), Path("/tmp") / f"torchinductor_{user}"))
+    inside = Path("/tmp") / f"torchinductor_{user}"
+    binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), inside))
+    # The headers themselves are the host's, as an unjailed Inductor's are (beside its default
+    # cache dir, in the part jailed children may write): one build per toolchain and ISA for every
+    # worker and cache dir of the node, not one per cache dir (about 5 CPU-s of g++ each, two per
+    # ISA). They are named by a hash of the preprocessed headers and the command line, and built
+    # under Inductor's file lock in the same dir; a child could already write the cache dir itself.
+    headers = header_dir()
+    for made in (headers, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"):  # the mount point too
+        made.mkdir(parents=True, exist_ok=True)
+        jail.make_writable(made)
+    binds.append((headers, inside / "precompiled_headers"))
     return env, binds
