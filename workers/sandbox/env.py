@@ -134,18 +134,17 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
             path = childrens(Path(env[name]))
             env[name] = str(path)
             binds.append((path, path))
-    # Inductor builds its precompiled headers under the default cache dir, <tmp>/torchinductor_<user>,
-    # whatever TORCHINDUCTOR_CACHE_DIR says. In the jail's own /tmp that is bound to the jail's
-    # cache too: a fresh child finds it built, and clearing /tmp between units leaves it.
+    # Inductor uses its default cache dir, <tmp>/torchinductor_<user>, whatever TORCHINDUCTOR_CACHE_DIR
+    # says. In the jail's own /tmp that dir is the jail's cache (clearing /tmp between units leaves
+    # it), and its precompiled_headers the host's, as an unjailed Inductor's are (header_dir): one
+    # build per toolchain and ISA for every worker and cache dir of the node, not one per cache dir
+    # (about 5 CPU-s of g++ each, two per ISA). They are named by a hash of the preprocessed headers
+    # and the command line, and built under Inductor's file lock in that dir; a child could already
+    # write the cache dir itself.
     user = "nobody" if other_uid else getpass.getuser()
     env["USER"] = env["LOGNAME"] = user
     inside = Path("/tmp") / f"torchinductor_{user}"
     binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), inside))
-    # The headers themselves are the host's, as an unjailed Inductor's are (beside its default
-    # cache dir, in the part jailed children may write): one build per toolchain and ISA for every
-    # worker and cache dir of the node, not one per cache dir (about 5 CPU-s of g++ each, two per
-    # ISA). They are named by a hash of the preprocessed headers and the command line, and built
-    # under Inductor's file lock in the same dir; a child could already write the cache dir itself.
     headers = header_dir()
     for made in (headers, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"):  # the mount point too
         made.mkdir(parents=True, exist_ok=True)
