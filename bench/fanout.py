@@ -1,6 +1,7 @@
 """Fan-out efficiency: the zoo compiled serially in one process vs. through the farm on W Ray
 workers, in one run. Each side starts cold: a fresh store and a fresh Inductor cache of its own
-and fresh precompiled headers (FARM_INDUCTOR_HEADERS: each side builds them), and pays
+and a fresh node dir (FARM_NODE_CACHE: each side builds its precompiled headers and asks the
+host's ISA probes), and pays
 one torch start-up per sandbox (the serial
 process's, and each worker's: the processes around them import no torch). Ray's own start is
 not counted: a farm's cluster is already up. Its node found out which ISAs it offers (Inductor's
@@ -68,12 +69,12 @@ def _per_unit(label: str, timings: list[dict]) -> None:
               + f"  {t.get('worker', '')}")
 
 
-def _probe_host(cache: Path) -> None:
-    """The host's ISA probes made in Inductor cache dir `cache`, as a node makes them when its
-    cluster starts (in a fresh process: this one keeps the first answer it got, for another dir)."""
+def _probe_host(env: dict[str, str]) -> None:
+    """The host's ISA probes made in a side's Inductor cache dir and its answer kept in its node dir
+    (env's), as a node makes them when its cluster starts (in a fresh process: this one keeps the
+    first answer it got, for another dir)."""
     subprocess.run([sys.executable, "-c", "from workers.backends import offered_resources; offered_resources(1)"],
-                   check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)},
-                   cwd=PROJECT)
+                   check=True, env=env, cwd=PROJECT)
 
 
 def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
@@ -83,9 +84,9 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
     made them in its own when its cluster started (like for like); without, the serial side makes
     them in its window, as this bench has always measured it. With `warm_up`, a job of those
     graphs ran in that cache first (in another process, its own store), as on the served service."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache"), "FARM_INDUCTOR_HEADERS": str(root / "headers")}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache"), "FARM_NODE_CACHE": str(root / "node")}
     if probed:
-        _probe_host(root / "cache")
+        _probe_host(env)
     if warm_up:
         subprocess.run([sys.executable, "-c", SERIAL.replace("STORE", repr(str(root / "store-warm-up"))),
                         ",".join(targets), *warm_up], check=True, env=env, cwd=PROJECT, stdout=subprocess.DEVNULL)
@@ -188,8 +189,8 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
     from storage import store_from_uri
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache")  # inherited by the workers
-    os.environ["FARM_INDUCTOR_HEADERS"] = str(root / "headers")
-    _probe_host(root / "cache")  # (a second Ray session of this process would not: see _probe_host)
+    os.environ["FARM_NODE_CACHE"] = str(root / "node")
+    _probe_host(dict(os.environ))  # (a second Ray session of this process would not: see _probe_host)
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})
     with ray_session(None, slots=workers):
         t0, cpu0 = time.perf_counter(), busy_core_seconds()
@@ -244,7 +245,7 @@ def _on_a_served_service(root: Path, graphs: list[str], targets: list[str], warm
     from scheduler.service_config import ServiceConfig
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-service")
-    os.environ["FARM_INDUCTOR_HEADERS"] = str(root / "headers-service")
+    os.environ["FARM_NODE_CACHE"] = str(root / "node-service")
     with ray_session(None, slots=workers):
         start_service(str(root / "store-service"), ServiceConfig(min_workers=workers))
         service = Service(find_service(), call(find_service(), "ping"))

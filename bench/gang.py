@@ -3,7 +3,8 @@ time a divergent gang takes to fail.
 
 Both sides go through the farm on an embedded Ray (its start not counted: a farm's cluster is
 already up), each in a fresh process with a fresh store, a fresh Inductor cache
-and fresh precompiled headers (FARM_INDUCTOR_HEADERS: each side builds them), and each pays for
+and a fresh node dir (FARM_NODE_CACHE: each side builds its precompiled headers and asks the
+host's ISA probes), and each pays for
 its actors' start: one worker for the single compile; four rank actors, their process group,
 the compiler collectives, one compile and three lookups for the gang. Rank 0 of the gang compiles while the other three ranks start
 (workers/gang/early.py); the bench checks that it did, and prints each side's lowering time,
@@ -57,7 +58,7 @@ def _side(args: argparse.Namespace) -> None:
 
 def _run(job: dict, root: Path, name: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / f"cache-{name}"),
-           "FARM_INDUCTOR_HEADERS": str(root / f"headers-{name}")}
+           "FARM_NODE_CACHE": str(root / f"node-{name}")}
     out = subprocess.run([sys.executable, __file__, "--side", "--job", json.dumps(job), "--store", str(root / f"store-{name}")],
                          check=True, env=env, cwd=ROOT, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -143,7 +144,7 @@ def _on_a_served_service(root: Path, ranks: int, pairs: int, target: list[str]) 
     from scheduler.service_config import ServiceConfig
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "cache-service")
-    os.environ["FARM_INDUCTOR_HEADERS"] = str(root / "headers-service")
+    os.environ["FARM_NODE_CACHE"] = str(root / "node-service")
     (root / "served").mkdir()
     graphs = iter(export_graphs(root / "served", "mlp", [64 + i for i in range(2 * pairs + 2)]))
     with ray_session(None, slots=os.cpu_count()):

@@ -43,6 +43,7 @@ class S3Server:
     secret_key: str
     process: subprocess.Popen
     log: Path
+    ports: tuple[int, ...] = ()
 
     def env(self) -> dict[str, str]:
         return {
@@ -66,6 +67,18 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        _remove_sockets(self.ports)
+
+
+# weed mini opens a unix socket beside most of its ports, /tmp/seaweedfs-<service>-<port>.sock,
+# in /tmp whatever TMPDIR says, and leaves them there: five more in /tmp per server started
+SOCKETS = Path("/tmp")
+
+
+def _remove_sockets(ports: tuple[int, ...]) -> None:
+    for path in SOCKETS.glob("seaweedfs-*.sock"):
+        if path.stem.rsplit("-", 1)[-1] in {str(p) for p in ports} and path.is_socket():
+            path.unlink(missing_ok=True)
 
 
 def weed_binary() -> str:
@@ -112,7 +125,8 @@ def start_seaweed(data_dir: Path, timeout_s: float = 60) -> S3Server:
     # (/tmp/<8 hex>/c*_*_*.dat) and never removes it: 266 of them here after a day of runs
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "TMPDIR": str(data_dir)}
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{base + 3}", access, secret, proc, log)
+    ports = tuple(base + i + grpc for i in range(6) for grpc in (0, 10000))
+    server = S3Server(f"http://127.0.0.1:{base + 3}", access, secret, proc, log, ports)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -187,13 +187,16 @@ def test_a_lowering_runs_jailed_and_its_manifest_says_so(zoo_dir, tmp_path, monk
     assert list(header_dir().glob("*.h.gch"))
 
 
-def test_a_bench_can_give_each_side_precompiled_headers_of_its_own(tmp_path, monkeypatch):
-    """FARM_INDUCTOR_HEADERS, for a bench's cold sides: a jailed child's headers go there instead."""
-    monkeypatch.setenv("FARM_INDUCTOR_HEADERS", str(tmp_path / "headers"))
+def test_a_bench_can_give_each_side_a_node_of_its_own(tmp_path, monkeypatch):
+    """FARM_NODE_CACHE, for a bench's cold sides: a jailed child's headers and host records go there
+    instead, and the child is told where it finds the records."""
+    monkeypatch.setenv("FARM_NODE_CACHE", str(tmp_path / "node"))
     env, binds = jailed_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
-    inside = Path("/tmp") / f"torchinductor_{env['USER']}" / "precompiled_headers"
-    (source,) = [src for src, dest in binds if dest == inside]
-    assert source == header_dir() and source.is_relative_to(tmp_path / "headers") and source.is_dir()
+    inside = Path("/tmp") / f"torchinductor_{env['USER']}"
+    for name in ("precompiled_headers", "farm-host-checks"):
+        (source,) = [src for src, dest in binds if dest == inside / name]
+        assert source.is_relative_to(tmp_path / "node") and source.is_dir()
+    assert header_dir().is_relative_to(tmp_path / "node") and env["FARM_SHARED_CACHE"] == str(inside)
 
 
 def test_a_host_that_cannot_jail_refuses_under_jail_and_says_so_loudly_otherwise(monkeypatch, tmp_path, capfd):

@@ -529,10 +529,10 @@ print(json.dumps([str(cpu_vec_isa.pick_vec_isa()), early, "vec_isas" in farm.set
 
 def test_use_farm_cache_takes_inductors_isas_from_the_hosts_record_without_checking_them_again(tmp_path):
     """Inductor checks each vector ISA by loading a probe in a fresh Python, in every process (about
-    a second): use_farm_cache asks once per host (its record in the Inductor cache dir) instead,
-    and only once Inductor asks: a process whose steps all run on a GPU never does, and never
-    builds or loads a probe."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    a second): use_farm_cache asks once per host (its record in the node's dir, here a fresh one:
+    FARM_NODE_CACHE) instead, and only once Inductor asks: a process whose steps all run on a GPU
+    never does, and never builds or loads a probe."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "FARM_NODE_CACHE": str(tmp_path / "node")}
 
     def picked() -> str:
         out = subprocess.run([sys.executable, "-c", PICKED_ISA, str(tmp_path / "store")], env=env, cwd=ROOT,
@@ -545,7 +545,7 @@ def test_use_farm_cache_takes_inductors_isas_from_the_hosts_record_without_check
     first = picked()  # Inductor's own answer, now the host's record
     if first == "INVALID_VEC_ISA":
         pytest.skip("Inductor finds no vector ISA on this host")
-    (record,) = (tmp_path / "inductor").rglob("farm-host-checks/inductor-host-*.json")
+    (record,) = (tmp_path / "node").rglob("farm-host-checks/inductor-host-*.json")
     assert first in json.loads(record.read_text())["vec_isas"]
     record.write_text(json.dumps({**json.loads(record.read_text()), "vec_isas": []}))  # a host that runs none
     assert picked() == "INVALID_VEC_ISA"  # the record's answer, not a check of Inductor's own

@@ -103,6 +103,27 @@ def test_a_hosts_second_worker_takes_the_first_ones_host_check_without_importing
     assert second.stdout.split() == ["None", "False"]  # the answer, and Inductor never imported
 
 
+ISAS = """
+import json, sys
+from workers.backends.cpu_isa import host_vec_isas
+print(json.dumps([sorted(host_vec_isas()), "torch._inductor.cpu_vec_isa" in sys.modules]))
+"""
+
+
+def test_a_worker_with_a_fresh_inductor_cache_takes_what_inductor_said_of_the_node(tmp_path):
+    """Inductor's answer on the host's vector ISAs (a probe build and a fresh Python per ISA) is the
+    node's, whatever Inductor cache dir a worker uses: a worker given a fresh one (an operator's dir
+    per worker, a test's) neither imports Inductor nor builds a probe for it."""
+    from workers.backends.inductor_host import inductor_host
+
+    known = inductor_host()["vec_isas"]  # the node's record, as its first worker made it
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh")}
+    out = subprocess.run([sys.executable, "-c", ISAS], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == [sorted(known), False]
+    assert not list((tmp_path / "fresh").rglob("*.so"))
+
+
 def test_a_problem_is_asked_again_and_a_new_compiler_asks_again(monkeypatch, tmp_path):
     from workers import host_check
     from workers.backends import cpu_isa, cxx

@@ -3,7 +3,7 @@
 On a host whose Inductor cache is fresh, the CPU backends' check imports Inductor and compiles
 and loads a probe program per vector ISA (seconds: a third of a small model's compile). A CPU
 target's answer depends only on the host's CPU and the toolchain, so a "yes" is kept on disk,
-in Inductor's cache dir beside the probes it came from, keyed by those: a host's second worker
+in the node's dir (whatever Inductor cache dir a worker uses), keyed by those: a host's second worker
 reads it (waiting on a file lock while the first computes it) and never imports Inductor for
 it. Other devices (a GPU may be busy now and free later) and problems are asked every time.
 

@@ -5,7 +5,8 @@ and whether it can pin an ISA at all is a property of its config. Asking either 
 Inductor, and with it Dynamo (over two seconds of CPU with torch's own import), in a process
 that otherwise never needs torch: a pool's worker, which names keys, places work, fingerprints
 its CPU for benchmarks and checks the host, while torch lives in its sandbox child. So the
-answer is kept in Inductor's cache dir (beside the probes it came from), keyed by the CPU
+answer is kept in the node's dir (workers/sandbox/env.py shared_cache_dir: whatever Inductor cache
+dir a worker uses, as Inductor's precompiled headers are), keyed by the CPU
 (model and feature flags), the compiler, torch and Python: the host's first process to ask
 computes it under a file lock, and every later one reads it.
 
@@ -26,11 +27,10 @@ from typing import Any, Callable
 from filelock import FileLock
 
 from workers.backends import cxx
-from workers.sandbox.env import shared_cache_dir
+from workers.sandbox.env import HOST_RECORDS, shared_cache_dir
 from workers.sandbox.jail import make_writable
 from workers.torch_files import standalone
 
-RECORDS = "farm-host-checks"  # in the cache dir the worker and its children share
 
 
 @functools.cache
@@ -68,16 +68,16 @@ def inductor_host_known() -> dict[str, Any] | None:
     return kept_on_host(shared_cache_dir(), "inductor-host-", _asked(), None, _valid)
 
 
-def kept_on_host(cache_dir: str, kind: str, asked: dict[str, Any], compute: Callable[[], dict[str, Any]] | None,
+def kept_on_host(where: str, kind: str, asked: dict[str, Any], compute: Callable[[], dict[str, Any]] | None,
                  keep: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
-    """compute()'s answer to `asked`, kept in Inductor's cache dir for every process of this host
+    """compute()'s answer to `asked`, kept in `where` for every process of this host
     that asks the same: the first computes it under a file lock, the others read it. A record that
     does not parse, answers something else or that `keep` refuses is computed again, and an answer
     `keep` refuses is not written (workers/host_check.py keeps only a "yes"). Without `compute`,
     a record missing is None."""
     asked = json.loads(json.dumps(asked, default=str))  # as it reads back
     digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:32]
-    path = Path(cache_dir) / RECORDS / f"{kind}{digest}.json"
+    path = Path(where) / HOST_RECORDS / f"{kind}{digest}.json"
     lock = path.with_name(f"{path.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 PROJECT = Path(__file__).resolve().parents[2]
+HOST_RECORDS = "farm-host-checks"  # in shared_cache_dir(): what workers and children learnt of the node
 
 # Passed to the child; everything else in the environment is dropped.
 ENV_ALLOWED = re.compile(r"(PATH|LANG|LANGUAGE|TZ|TERM|USER|LOGNAME|PYTHONPATH|PYTHONHASHSEED|VIRTUAL_ENV|LD_LIBRARY_PATH|"
@@ -61,19 +62,27 @@ def default_inductor_dir() -> str:
 
 
 def shared_cache_dir() -> str:
-    """A dir of Inductor's cache that the worker and its sandbox children can all write, whether
-    the children are jailed as another uid or not: what they learn of the host is kept there
-    (workers/backends/inductor_host.py), so a worker finds what its child found."""
+    """The dir where what the farm learns of this node is kept (workers/backends/inductor_host.py,
+    workers/host_check.py: records of Inductor's ISA probes and of host checks), which the worker
+    and its sandbox children can all write, whether the children are jailed as another uid or
+    not: the node's (`node_dir`), whatever Inductor cache dir a worker uses, so that a fresh cache
+    dir does not build the probes again (about 8 CPU-s of g++ here), as it does not build the
+    precompiled headers again."""
     given = os.environ.get("FARM_SHARED_CACHE")  # a child: where its worker said
-    return given or str(childrens(Path(inductor_cache_dir())))
+    return given or str(node_dir())
+
+
+def node_dir() -> Path:
+    """What Inductor and the farm keep once per node, whatever the cache dir: Inductor's default
+    cache dir (where an unjailed Inductor keeps its precompiled headers, codecache._HEADER_DIR),
+    its part that jailed children may write; or FARM_NODE_CACHE, which a bench sets to a fresh
+    dir per side so that each side builds its own, as on a fresh node."""
+    return childrens(Path(os.environ.get("FARM_NODE_CACHE") or default_inductor_dir()))
 
 
 def header_dir() -> Path:
-    """Where a jailed child's Inductor keeps its precompiled headers: the node's (beside Inductor's
-    default cache dir, where an unjailed Inductor keeps them), or FARM_INDUCTOR_HEADERS, which a
-    bench sets to a fresh dir per side so that each side builds its own."""
-    given = os.environ.get("FARM_INDUCTOR_HEADERS")
-    return childrens(Path(given)) if given else childrens(Path(default_inductor_dir())) / "precompiled_headers"
+    """Where a jailed child's Inductor keeps its precompiled headers: the node's (`node_dir`)."""
+    return node_dir() / "precompiled_headers"
 
 
 def childrens(cache: Path) -> Path:
@@ -136,18 +145,20 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
             binds.append((path, path))
     # Inductor uses its default cache dir, <tmp>/torchinductor_<user>, whatever TORCHINDUCTOR_CACHE_DIR
     # says. In the jail's own /tmp that dir is the jail's cache (clearing /tmp between units leaves
-    # it), and its precompiled_headers the host's, as an unjailed Inductor's are (header_dir): one
-    # build per toolchain and ISA for every worker and cache dir of the node, not one per cache dir
-    # (about 5 CPU-s of g++ each, two per ISA). They are named by a hash of the preprocessed headers
-    # and the command line, and built under Inductor's file lock in that dir; a child could already
-    # write the cache dir itself.
+    # it), and in it two dirs are the node's (node_dir), as they are for an unjailed process: one
+    # build per toolchain and ISA for every worker and cache dir of the node, not one per cache dir.
+    # Its precompiled_headers (about 5 CPU-s of g++ each, two per ISA), named by a hash of the
+    # preprocessed headers and the command line and built under Inductor's file lock there; and the
+    # farm's records of its host checks (shared_cache_dir: Inductor's ISA probes, about 8 CPU-s), on
+    # a file lock each. A child could already write the cache dir itself.
     user = "nobody" if other_uid else getpass.getuser()
     env["USER"] = env["LOGNAME"] = user
     inside = Path("/tmp") / f"torchinductor_{user}"
     binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), inside))
-    headers = header_dir()
-    for made in (headers, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"):  # the mount point too
-        made.mkdir(parents=True, exist_ok=True)
-        jail.make_writable(made)
-    binds.append((headers, inside / "precompiled_headers"))
+    for name in ("precompiled_headers", HOST_RECORDS):
+        for made in (node_dir() / name, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / name):  # the mount point too
+            made.mkdir(parents=True, exist_ok=True)
+            jail.make_writable(made)
+        binds.append((node_dir() / name, inside / name))
+    env["FARM_SHARED_CACHE"] = str(inside)
     return env, binds
