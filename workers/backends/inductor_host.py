@@ -32,7 +32,6 @@ from workers.sandbox.jail import make_writable
 from workers.torch_files import standalone
 
 
-
 @functools.cache
 def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
