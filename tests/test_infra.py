@@ -60,7 +60,8 @@ def test_worker_images_install_the_pinned_torch_first_and_the_project():
         text = (INFRA / "image" / name).read_text()
         torch_at, project_at = text.index("torch==2.13.0"), text.index(f'"{extra}"')
         assert torch_at < project_at, name  # an unpinned torch would pull the wrong build
-        assert "USER farm" in text and "TORCHINDUCTOR_CACHE_DIR" in text
+        assert "USER farm" in text and "TORCHINDUCTOR_CACHE_DIR=/var/cache/farm/" in text
+        assert "FARM_NODE_CACHE=/var/cache/farm/" in text, name  # a restarted pod keeps its headers and host checks
 
 
 def test_a_nightly_gc_rayjob_collects_the_s3_store_and_a_cronjob_starts_it():
