@@ -76,8 +76,9 @@ SOCKETS = Path("/tmp")
 
 
 def _remove_sockets(ports: tuple[int, ...]) -> None:
+    ours = {str(p) for p in ports}
     for path in SOCKETS.glob("seaweedfs-*.sock"):
-        if path.stem.rsplit("-", 1)[-1] in {str(p) for p in ports} and path.is_socket():
+        if path.stem.rsplit("-", 1)[-1] in ours and path.is_socket():
             path.unlink(missing_ok=True)
 
 

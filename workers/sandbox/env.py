@@ -155,10 +155,11 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
     env["USER"] = env["LOGNAME"] = user
     inside = Path("/tmp") / f"torchinductor_{user}"
     binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), inside))
+    node = node_dir()  # (made writable for the children once, not per dir bound from it)
     for name in ("precompiled_headers", HOST_RECORDS):
-        for made in (node_dir() / name, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / name):  # the mount point too
+        for made in (node / name, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / name):  # the mount point too
             made.mkdir(parents=True, exist_ok=True)
             jail.make_writable(made)
-        binds.append((node_dir() / name, inside / name))
+        binds.append((node / name, inside / name))
     env["FARM_SHARED_CACHE"] = str(inside)
     return env, binds
