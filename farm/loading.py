@@ -63,7 +63,7 @@ def _input_names(program: Path, key: str) -> list[str]:
     from workers.unit import Target, Unit
 
     unit = Unit(graph=key, source=f"the program of {key}", target=Target("aoti-cpu"), program=None)
-    with Sandbox(names_only=True) as sandbox, sandbox.workdir("names") as tmp:
+    with Sandbox() as sandbox, sandbox.workdir("names") as tmp:
         try:
             reply = sandbox.call("input_names", tmp, unit.limits, time.monotonic() + 300, unit=unit,
                                  program=str(shutil.copy(program, tmp / "program.pt2")))

@@ -153,7 +153,7 @@ def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None
     programs = {u.graph: u for u in units if u.program is not None}
     if not asked or not programs:
         return
-    with Sandbox(names_only=True) as sandbox, sandbox.workdir("check") as tmp:  # graphs are hostile input
+    with Sandbox() as sandbox, sandbox.workdir("check") as tmp:  # graphs are hostile input
         wanted = [(i, where, sizes) for i, t in asked for where, sizes in t.autotune.specialize.items()]
         for graph, unit in sorted(programs.items()):
             program = store.fetch(unit.program.digest, tmp / "program.pt2")

@@ -133,7 +133,7 @@ class WorkerPool:
         self._placements: dict[str, tuple[Placement, str]] = {}  # device class → (placement, device)
         self._covers: dict[str, set[str]] = {}  # device class → the queued classes its workers also build
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
-        with Sandbox(names_only=True) as sandbox:  # graphs are loaded in a sandbox here too
+        with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
             yield from self._place(units, store, events, queues, sandbox)
         if not any(queues.values()):
             return  # every unit was answered here (hits) or failed here: no worker, no cluster needed

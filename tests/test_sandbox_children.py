@@ -293,16 +293,12 @@ def test_a_sandbox_that_will_lower_has_its_zygote_warm_the_lowering_before_its_f
 def test_once_a_child_has_lowered_its_zygote_warms_the_lowering_for_the_next_jobs(zoo_dir, tmp_path):
     """A worker's next jobs fork their children from a zygote that has done what a first lowering
     does beyond the imports; a zygote whose children never lowered (a worker that only met hits)
-    never paid for it. The zygote here was started to name programs only, so it imported no
-    compiler: its child lowers all the same, and the zygote then imports the compiler too (a
-    worker's zygote imported it as it started; the warm-up after that is the one
-    test_a_sandbox_that_will_lower_has_its_zygote_warm_the_lowering_before_its_first_child checks).
-    See test_worker_start.py for what that warm-up covers."""
+    never paid for it. See test_worker_start.py for what that warm-up covers."""
     from scheduler.jobs import run_units_in
     from workers.unit import Target, Unit
 
     job = parse_job({"name": "warm", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]})
-    with Sandbox(names_only=True) as sandbox:
+    with Sandbox() as sandbox:
         outcome = execute(job, store_from_uri(str(tmp_path / "store")),
                           lambda units, store, events: run_units_in(sandbox, units, store, events))
         assert [r.status for r in outcome.results] == ["compiled"]

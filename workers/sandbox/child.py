@@ -109,10 +109,10 @@ def _die_with_parent() -> None:
         os._exit(1)  # (in a jail, pid 1 is the namespace's init, our parent, which bubblewrap ties to the worker)
 
 
-def warm_up_imports(lowering: bool = True) -> None:
+def warm_up_imports() -> None:
     from workers.sandbox.steps import warm_up  # torch's import, paid once per zygote
 
-    warm_up(lowering)
+    warm_up()
 
 
 def serve(reply_fd: int, limits: UnitLimits, device: str, warmed_s: float) -> None:

@@ -74,18 +74,13 @@ class Sandbox:
     jailed (workers/sandbox/jail.py) unless FARM_SANDBOX says otherwise. `network=True` is for a
     gang's children, whose collectives need the host's network. `lowers=True`: its children will
     lower (a service's worker back after a gang lent its CPU), so its zygote warms the lowering
-    before its first child, not only once a child has lowered. `names_only=True`: its children
-    only load and name programs (a driver placing a job's units, a check), so its zygote imports
-    no compiler ahead (steps.warm_up); a child that lowers anyway imports what it needs."""
+    before its first child, not only once a child has lowered."""
 
     zygote_module = "workers.sandbox.zygote"  # a test's own stands in for it (tests/poisoned_zygote.py)
 
-    def __init__(self, network: bool = False, lowers: bool = False, names_only: bool = False) -> None:
-        if lowers and names_only:
-            raise ValueError("a sandbox that lowers does not only name programs")
+    def __init__(self, network: bool = False, lowers: bool = False) -> None:
         self.network = network
         self._lowers = lowers
-        self._names_only = names_only
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
         self._proc: subprocess.Popen | None = None  # the zygote (in a jail: bubblewrap)
         self._zygote_host_pid: int | None = None  # the zygote's own pid on the host, once looked up
@@ -239,8 +234,7 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # -P: `-m` would put its cwd (this HOME, which children may write) first on the import path
         # that every later child inherits, so one job's child could plant a module for the next's
-        argv = [sys.executable, "-P", "-m", self.zygote_module, str(theirs.fileno()), device,
-                *(["names"] if self._names_only else [])]
+        argv = [sys.executable, "-P", "-m", self.zygote_module, str(theirs.fileno()), device]
         self._zygote_log = self.root() / f"zygote-{self.starts}.log"
         with open(self._zygote_log, "wb") as startup:
             how = dict(stdin=subprocess.DEVNULL, stdout=startup, stderr=startup, pass_fds=(theirs.fileno(),),

@@ -274,28 +274,22 @@ def _is_zip(path: Path) -> bool:
 USER_ERRORS = (StepFailed, ProgramError, LoweringError)
 
 
-def warm_up(lowering: bool = True) -> None:
+def warm_up() -> None:
     """Imports every step needs, paid once by the sandbox's zygote (workers/sandbox/zygote.py),
     whose children are forked with them: a lowering's modules too (Inductor's compiler, its
     passes and code generators, Dynamo's), which a child's first lowering would otherwise import.
-    Imports only: nothing here starts a thread or a process, so the zygote forks safely.
-    `lowering=False`, for a sandbox whose children only load and name programs (a driver's
-    placement, a check of hot sizes): the loader and what naming imports, not the compiler
-    (2.5 CPU-s here, against 3.1, to the first key)."""
-    import torch._export.serde.serialize  # noqa: F401
-    import torch._functorch.aot_autograd  # noqa: F401  (a loaded program's module)
-    import torch._inductor.codecache  # noqa: F401  (a program's identity names Inductor's settings)
-    import torch.export._trace  # noqa: F401
-    import torch.export.pt2_archive._package  # noqa: F401
-    if not lowering:
-        return
+    Imports only: nothing here starts a thread or a process, so the zygote forks safely."""
     import torch._dynamo  # noqa: F401
+    import torch._export.serde.serialize  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
     import torch._inductor.codegen.cpp  # noqa: F401
     import torch._inductor.codegen.cpp_wrapper_cpu  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.fx_passes.post_grad  # noqa: F401
     import torch._inductor.lowering  # noqa: F401
     import torch._inductor.select_algorithm  # noqa: F401
+    import torch.export.pt2_archive._package  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401
 
 

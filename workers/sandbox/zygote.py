@@ -1,8 +1,6 @@
 """A sandbox's zygote: a jailed process that imports torch once and forks a fresh child per job.
 
-    python -m workers.sandbox.zygote CONTROL_FD DEVICE [names]
-
-(`names`: its children only load and name programs, so it imports no compiler ahead: steps.warm_up.)
+    python -m workers.sandbox.zygote CONTROL_FD DEVICE
 
 No child serves two jobs, and a child that met a bad input never serves another unit; a fresh
 child used to mean a fresh Python importing torch (about 2 CPU-s), paid on every job switch of a
@@ -110,17 +108,13 @@ def _abandoned(reply_fd: int) -> bool:
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
-def _warm_lowering(imported: bool) -> None:
+def _warm_lowering() -> None:
     """Once a child of ours has lowered, this zygote will likely fork more that lower (a worker's
     next jobs): what a process's first lowering does beyond the imports (steps.warm_up_lowering)
-    is done here, once, for all of them, and the compiler's imports first where this zygote was
-    started to name programs only (not `imported`). A zygote whose children only name programs
-    never pays it."""
-    from workers.sandbox.steps import warm_up, warm_up_lowering
+    is done here, once, for all of them. A zygote whose children only name programs never pays it."""
+    from workers.sandbox.steps import warm_up_lowering
 
     began = time.perf_counter()
-    if not imported:
-        warm_up()
     warm_up_lowering()
     print(f"sandbox zygote: warmed the lowering for the next children in {time.perf_counter() - began:.1f} s",
           file=sys.stderr, flush=True)
@@ -128,14 +122,13 @@ def _warm_lowering(imported: bool) -> None:
 
 def main() -> None:
     control, device = socket.socket(fileno=int(sys.argv[1])), sys.argv[2]
-    names_only = sys.argv[3:] == ["names"]  # process.Sandbox(names_only=True)
     from workers.sandbox import child
 
     child._die_with_parent()
     if os.environ.get("FARM_JAIL_TMP"):
         _not_dumpable(True)  # its children (same uid, same jail) cannot read or write its memory: /proc/PID/mem
     began = time.perf_counter()
-    child.warm_up_imports(lowering=not names_only)
+    child.warm_up_imports()
     warmed_s = time.perf_counter() - began
     lowering_warmed = False
     while True:
@@ -147,7 +140,7 @@ def main() -> None:
             return  # the worker closed the socket
         request = json.loads(record)
         if request.get("warm_lowering") and not lowering_warmed:
-            _warm_lowering(imported=not names_only)
+            _warm_lowering()
             lowering_warmed = True
         if _abandoned(fds[1]):
             for fd in fds:
