@@ -283,6 +283,11 @@ def lower_unit(ctx: UnitContext) -> Lowered:
             log.note(f"autotuning: benchmarked {measured_here} kernel selections here, "
                      f"gave {shared.published} new timings to the farm")
             metrics.update(autotune_seeded=float(shared.seeded), autotune_published=float(shared.published))
+        compiles = lowered.get("compiler_cache") if isinstance(lowered.get("compiler_cache"), dict) else {}
+        if compiles:  # the node's compiler cache served some of its C++ (workers/sandbox/compiler_cache.py)
+            hits, misses = _count(compiles.get("hits")), _count(compiles.get("misses"))
+            metrics.update(compiler_cache_hits=float(hits), compiler_cache_misses=float(misses))
+            log.note(f"compiler cache: {hits} of {hits + misses} C++ compiles served from the node's ccache")
 
     facts = lowered.get("facts") if isinstance(lowered.get("facts"), dict) else {}
     saved = (facts.get("saved_for_backward") or {}).get("bytes")  # a training step's activation memory

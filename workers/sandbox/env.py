@@ -13,8 +13,11 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from workers.sandbox import compiler_cache
+
 PROJECT = Path(__file__).resolve().parents[2]
 HOST_RECORDS = "farm-host-checks"  # in shared_cache_dir(): what workers and children learnt of the node
+COMPILER_CACHE = "compiler-cache"  # in node_dir(): ccache's (workers/sandbox/compiler_cache.py)
 
 # Passed to the child; everything else in the environment is dropped.
 ENV_ALLOWED = re.compile(r"(PATH|LANG|LANGUAGE|TZ|TERM|USER|LOGNAME|PYTHONPATH|PYTHONHASHSEED|VIRTUAL_ENV|LD_LIBRARY_PATH|"
@@ -33,6 +36,7 @@ def child_env(home: Path) -> dict[str, str]:
         env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
     env["FARM_SHARED_CACHE"] = shared_cache_dir()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)  # a plain checkout too
+    env.update(compiler_cache.children_env(node_dir() / COMPILER_CACHE, env.get("PATH", "")))
     return env
 
 
@@ -162,4 +166,8 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
             jail.make_writable(made)
         binds.append((node / name, inside / name))
     env["FARM_SHARED_CACHE"] = str(inside)
+    if "CCACHE_DIR" in env:  # the node's compiler cache (children_env made it), at its own path
+        cache = Path(env["CCACHE_DIR"])
+        jail.make_writable(cache)
+        binds.append((cache, cache))
     return env, binds

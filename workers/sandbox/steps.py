@@ -25,6 +25,7 @@ from workers.check.train import random_ops, step, undifferentiable_collectives, 
 from workers.check.verify import VerifyReport, verify
 from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
+from workers.sandbox import compiler_cache
 from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
 from workers.sandbox.env import environ_set
 from workers.sandbox.program import ProgramError, load_program, program_identity, weights_digest
@@ -155,14 +156,16 @@ class Steps(GangSteps):
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
         try:  # timings taken while lowering are taken alone on the GPU too
             with own_inductor_config(), alone_on_device(backend.device, tunes), recording_timings() as measured, \
-                    torch_trace(Path(workdir)), _feeding_remote_caches(backend, Path(workdir)):
+                    torch_trace(Path(workdir)), _feeding_remote_caches(backend, Path(workdir)), \
+                    compiler_cache.counting(Path(workdir)) as compiles:
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise
         except Exception as e:  # Inductor and the C++ compiler fail in many ways: a unit error, traceback in the log
             raise StepFailed(f"lowering failed: {type(e).__name__}: {summary(e)} (see the unit log)") from e
         return {"artifact": str(artifact), "facts": backend.describe(artifact, unit.target),
-                "autotune_benchmarked": benchmarked() - before, "autotune_entries": measured}
+                "autotune_benchmarked": benchmarked() - before, "autotune_entries": measured,
+                "compiler_cache": compiles}
 
     def check(self, unit: Unit, artifact: str, verify_it: bool, bench_it: bool) -> dict[str, Any]:
         """Load an artifact (a freshly lowered one, or one from the store), verify it against the
