@@ -12,8 +12,10 @@ same architecture is swapped in with `load_constants`.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from workers.backends import cpu_isa
 from workers.backends.base import LoweringError
@@ -43,9 +45,30 @@ def compile_and_package(ep: ExportedProgram, workdir: Path, configs: dict[str, A
     generated = workdir / "aoti-generated"
     generated.mkdir()
     args, kwargs = ep.example_inputs
-    options = {**configs, "aot_inductor.package": True, "aot_inductor.output_path": str(generated)}
-    files = torch._inductor.aot_compile(ep.module(check_guards=False), args, kwargs, options=options)
-    return Path(package_aoti(str(workdir / "artifact.pt2"), files))
+    with same_path_every_time(generated) as path:
+        options = {**configs, "aot_inductor.package": True, "aot_inductor.output_path": str(path)}
+        files = torch._inductor.aot_compile(ep.module(check_guards=False), args, kwargs, options=options)
+        return Path(package_aoti(str(workdir / "artifact.pt2"), files))
+
+
+@contextlib.contextmanager
+def same_path_every_time(generated: Path) -> Iterator[Path]:
+    """Where Inductor is told to write `generated`: in a jail, a link at one path of the child's
+    private /tmp (one child at a time has it), so that every lowering names the same dir. The
+    kernels' source quotes that dir (a comment naming the wrapper, and the compile commands), and
+    with one name the same code is the same source, which the node's compiler cache then serves
+    (workers/sandbox/compiler_cache.py). Unjailed, /tmp is shared: the dir itself."""
+    tmp = os.environ.get("FARM_JAIL_TMP")
+    if not tmp:
+        yield generated
+        return
+    link = Path(tmp) / "aoti-generated"
+    link.unlink(missing_ok=True)
+    link.symlink_to(generated, target_is_directory=True)
+    try:
+        yield link
+    finally:
+        link.unlink(missing_ok=True)
 
 
 def package_metadata(artifact: Path) -> dict[str, str]:
