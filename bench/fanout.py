@@ -140,6 +140,7 @@ def main() -> None:
           f"busy {', '.join(f'{b:.1f}' for b in busy.values())} s of {farm_s:.1f} s ({len(busy)} worker processes)")
     farm_timings = [dict(r.timings, unit=f"{r.graph.rsplit('/', 1)[-1]} {r.target}", worker=r.worker or "?")
                     for r in outcome.results]
+    _compiler_cache("farm", outcome.results)
     if args.units:
         _per_unit("serial", serial_timings)
         _per_unit("serial, host probed", probed_timings)
@@ -160,6 +161,7 @@ def main() -> None:
         if args.units:
             _per_unit("serial, after the warm-up job", warmed_timings)
             _per_unit("farm service", service_timings)
+        _compiler_cache("farm service", service_results)
         warmed = _split("serial, warmed", warmed_s, 1, warmed_timings)
         service = _split(f"service ({args.workers} workers)", service_s, args.workers, service_timings)
         print(f"{'service - serial warmed':<22}" + "".join(f"{service[k] - warmed[k]:9.1f}" for k in warmed)
@@ -177,6 +179,15 @@ def main() -> None:
               f"(goal >= 0.95)")
     _more_trials(args, root, graphs, targets, [probed_s / (args.workers * farm_s)],
                  served_first if args.service else [])
+
+
+def _compiler_cache(side: str, results: list[Any]) -> None:
+    """What the node's compiler cache (fresh for each side, in its FARM_NODE_CACHE) served the farm
+    side, whose code differs unit by unit; the serial side runs g++ itself."""
+    hits = sum(r.metrics.get("compiler_cache_hits", 0) for r in results)
+    compiles = hits + sum(r.metrics.get("compiler_cache_misses", 0) for r in results)
+    print(f"{side}: the node's compiler cache served {hits:.0f} of {compiles:.0f} cacheable C++ compiles "
+          f"(the serial side has none)")
 
 
 def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tuple[float, float, Any, Any]:
