@@ -5,8 +5,6 @@ the Ray one in `ray_pool`. While a job runs, `jobs/<id>/status.json` in the stor
 far it got, so `farm status JOB` works from any machine."""
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime as dt
 import itertools
 import json
@@ -18,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from scheduler.errors import JobInterrupted
+from scheduler.kept_sandbox import warm_sandbox
 from scheduler.plan import check_specializations, plan, plan_gangs
 from scheduler.spec import JobSpec, SpecError, job_to_yaml
 from scheduler.tuning import finish_tuning
@@ -57,25 +56,11 @@ class NoEvents(Events):
 Runner = Callable[[list[Unit], Store, Events], Iterable[tuple[Unit, UnitResult]]]
 
 
-_KEPT = Sandbox()  # started ahead for this process's next in-process job (a notebook's skips torch's import)
-_KEPT_LOCK = threading.Lock()
-atexit.register(_KEPT.close)
-
-
 def run_in_process(units: list[Unit], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:
-    """One warm child for the whole job: the process's kept one, or its own while another job
-    (another thread) has that. The child restarts when the job's limits or environment differ,
-    and after the job: no child serves two jobs."""
-    kept = _KEPT_LOCK.acquire(blocking=False)
-    if kept:
-        _KEPT.restart_if_environment_changed()
-    try:
-        with contextlib.nullcontext(_KEPT) if kept else Sandbox() as sandbox:
-            yield from run_units_in(sandbox, units, store, events)
-    finally:
-        if kept:
-            _KEPT.renew()  # warm children serve one job: the next gets a fresh one, started now
-            _KEPT_LOCK.release()
+    """One warm child for the whole job: the process's kept sandbox's (scheduler/kept_sandbox.py),
+    or a sandbox of its own while another job (another thread) has that."""
+    with warm_sandbox() as sandbox:
+        yield from run_units_in(sandbox, units, store, events)
 
 
 def run_units_in(sandbox: Sandbox, units: list[Unit], store: Store, events: Events) -> Iterable[tuple[Unit, UnitResult]]:

@@ -147,13 +147,14 @@ def check_specializations(job: JobSpec, store: Store, units: list[Unit]) -> None
     anything runs, so a job with an impossible specialization is rejected as it loads."""
     import time
 
-    from workers.sandbox.process import Sandbox, SandboxFailed
+    from scheduler.kept_sandbox import warm_sandbox
+    from workers.sandbox.process import SandboxFailed
 
     asked = [(i, t) for i, t in enumerate(job.targets) if t.autotune and t.autotune.specialize]
     programs = {u.graph: u for u in units if u.program is not None}
     if not asked or not programs:
         return
-    with Sandbox() as sandbox, sandbox.workdir("check") as tmp:  # graphs are hostile input
+    with warm_sandbox() as sandbox, sandbox.workdir("check") as tmp:  # graphs are hostile input
         wanted = [(i, where, sizes) for i, t in asked for where, sizes in t.autotune.specialize.items()]
         for graph, unit in sorted(programs.items()):
             program = store.fetch(unit.program.digest, tmp / "program.pt2")

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Protocol
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from scheduler.kept_sandbox import warm_sandbox
 from scheduler.spec import RETRIES
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
@@ -133,7 +134,7 @@ class WorkerPool:
         self._placements: dict[str, tuple[Placement, str]] = {}  # device class → (placement, device)
         self._covers: dict[str, set[str]] = {}  # device class → the queued classes its workers also build
         queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
-        with Sandbox() as sandbox:  # graphs are loaded in a sandbox here too
+        with warm_sandbox() as sandbox:  # graphs are loaded in a sandbox here too: the process's warm one
             yield from self._place(units, store, events, queues, sandbox)
         if not any(queues.values()):
             return  # every unit was answered here (hits) or failed here: no worker, no cluster needed

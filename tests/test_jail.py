@@ -262,7 +262,7 @@ def test_a_warm_child_serves_one_job_and_its_tmp_is_wiped_between_units(zoo_dir,
     through /proc/PID/root)."""
     import shutil
 
-    from scheduler import jobs
+    from scheduler import jobs, kept_sandbox
     from scheduler.spec import parse_job
     from storage import store_from_uri
     from workers.unit import Target, Unit, UnitLimits
@@ -272,7 +272,7 @@ def test_a_warm_child_serves_one_job_and_its_tmp_is_wiped_between_units(zoo_dir,
             self.pids: set[int | None] = set()
 
         def finished(self, unit, result) -> None:
-            self.pids.add(jobs._KEPT.pid)
+            self.pids.add(kept_sandbox.KEPT.pid)
 
     served = [Served(), Served()]
     for n, events in enumerate(served):  # one program, two stores: both jobs lower it

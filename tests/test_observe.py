@@ -254,10 +254,10 @@ def test_a_cluster_that_answers_but_refuses_the_token_is_named_as_the_likely_cau
 _TWO_JOBS = """
 import json, sys
 from farm.client import run
-from scheduler import jobs
+from scheduler import kept_sandbox
 statuses = [run({"name": g, "graphs": [sys.argv[1] + f"/{g}.pt2"], "targets": ["aoti-cpu"]}, sys.argv[2]).results()
             .column("status").to_pylist() for g in ("mlp", "cnn")]
-print(json.dumps({"statuses": statuses, "children": jobs._KEPT.starts}))
+print(json.dumps({"statuses": statuses, "children": kept_sandbox.KEPT.starts}))
 """
 
 
