@@ -4,8 +4,11 @@ node compiled once (for any job, under any key) is not compiled again.
 AOTInductor on CPU spends most of a lowering in g++, and the same generated code comes back under
 many keys: a graph whose weights changed (with `weights: shapes` the code is the same for every
 checkpoint), a new farm `KEY_VERSION`, options that change the key but not the code, the same
-model in two jobs' stores. The wrapper, AOTInductor's largest compile (about 5 CPU-s of cc1plus
-for the smoke zoo's models here), is then served from the cache.
+model in two jobs' stores. Its compiles are then served from the cache: the wrapper, AOTInductor's
+largest (about 5 CPU-s of cc1plus for a smoke-zoo model here), the weights' object, and the
+kernels, whose source quotes the dir it was generated in, so in a jail every lowering generates
+through one path (workers/backends/aoti_cpu.py, same_path_every_time). What g++ builds and links
+in one call (Inductor's JIT kernels, its ISA probes) ccache cannot cache: those run as before.
 
 How: a child's PATH starts with the distribution's ccache masquerade dir (Debian's `ccache`
 package: /usr/lib/ccache/g++ -> ccache), so Inductor's `g++` is ccache, which runs the real g++
