@@ -28,17 +28,15 @@ object g++ would have built. For its hits to reach across units it is told:
 Trust: the cache sits beside the node's precompiled headers (workers/sandbox/env.py, node_dir), and
 jailed children may write it, as they may write those headers and Inductor's cache dir; a child
 that broke out of its steps could already poison what later units on the node build, so this adds
-no new reach. Which unit was served from it is recorded (`counting`), so compile times stay honest.
+no new reach. Which unit was served from it is recorded (`stats_log`), so compile times stay honest.
 
 FARM_COMPILER_CACHE=off turns it off; without a ccache masquerade dir it is off.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
 
 MASQUERADE_DIRS = ("/usr/lib/ccache", "/usr/lib64/ccache", "/usr/local/lib/ccache")
 SLOPPINESS = "pch_defines,time_macros,include_file_mtime,include_file_ctime"
@@ -54,38 +52,20 @@ def masquerade_dir() -> str | None:
 
 
 def children_env(cache_dir: Path, path: str) -> dict[str, str]:
-    """What a sandbox child's environment gets for the cache in `cache_dir` (made here), given its
-    PATH; nothing when the cache is off."""
+    """What a sandbox child's environment gets for the cache in `cache_dir` (ccache makes it),
+    given its PATH; nothing when the cache is off."""
     masquerade = masquerade_dir()
     if masquerade is None:
         return {}
-    cache_dir.mkdir(parents=True, exist_ok=True)
     return {"PATH": os.pathsep.join(p for p in (masquerade, path) if p), "CCACHE_DIR": str(cache_dir),
             "CCACHE_BASEDIR": os.path.commonpath([tempfile.gettempdir(), "/tmp"]),
             "CCACHE_NOHASHDIR": "1", "CCACHE_SLOPPINESS": SLOPPINESS}
 
 
-@contextlib.contextmanager
-def counting(workdir: Path) -> Iterator[dict[str, int]]:
-    """Within it, the C++ compiles this process starts are counted into the dict yielded, as
-    `hits` (served by the cache) and `misses` (compiled), once the block ends; empty when the
-    cache is off. Compiles the cache cannot serve (a link, a compile and link in one) count in
-    neither."""
-    counts: dict[str, int] = {}
-    if not os.environ.get("CCACHE_DIR"):
-        yield counts
-        return
-    log = workdir / STATS_LOG
-    before = os.environ.get("CCACHE_STATSLOG")
-    os.environ["CCACHE_STATSLOG"] = str(log)
-    try:
-        yield counts
-    finally:
-        if before is None:
-            os.environ.pop("CCACHE_STATSLOG", None)
-        else:
-            os.environ["CCACHE_STATSLOG"] = before
-        counts.update(read_stats(log))
+def stats_log(workdir: Path) -> Path | None:
+    """Where ccache is to count a lowering's compiles (its CCACHE_STATSLOG: a child sets it while
+    it lowers, workers/sandbox/steps.py), or None when this process compiles without the cache."""
+    return workdir / STATS_LOG if os.environ.get("CCACHE_DIR") else None
 
 
 def read_stats(log: Path) -> dict[str, int]:

@@ -166,8 +166,9 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
             jail.make_writable(made)
         binds.append((node / name, inside / name))
     env["FARM_SHARED_CACHE"] = str(inside)
-    if "CCACHE_DIR" in env:  # the node's compiler cache (children_env made it), at its own path
+    if "CCACHE_DIR" in env:  # the node's compiler cache (compiler_cache.children_env), at its own path
         cache = Path(env["CCACHE_DIR"])
+        cache.mkdir(parents=True, exist_ok=True)  # (a bind's source must exist; unjailed, ccache makes it)
         jail.make_writable(cache)
         binds.append((cache, cache))
     return env, binds

@@ -154,10 +154,11 @@ class Steps(GangSteps):
             raise StepFailed(problem)
         before = benchmarked()
         tunes = any(unit.target.options_dict.get(o) for o in TIMES_KERNELS)
+        ccache_log = compiler_cache.stats_log(Path(workdir))  # None: no compiler cache here
         try:  # timings taken while lowering are taken alone on the GPU too
             with own_inductor_config(), alone_on_device(backend.device, tunes), recording_timings() as measured, \
                     torch_trace(Path(workdir)), _feeding_remote_caches(backend, Path(workdir)), \
-                    compiler_cache.counting(Path(workdir)) as compiles:
+                    environ_set("CCACHE_STATSLOG", str(ccache_log)) if ccache_log else contextlib.nullcontext():
                 artifact = backend.lower(ep, unit.target, Path(workdir))
         except LoweringError:
             raise
@@ -165,7 +166,7 @@ class Steps(GangSteps):
             raise StepFailed(f"lowering failed: {type(e).__name__}: {summary(e)} (see the unit log)") from e
         return {"artifact": str(artifact), "facts": backend.describe(artifact, unit.target),
                 "autotune_benchmarked": benchmarked() - before, "autotune_entries": measured,
-                "compiler_cache": compiles}
+                "compiler_cache": compiler_cache.read_stats(ccache_log) if ccache_log else {}}
 
     def check(self, unit: Unit, artifact: str, verify_it: bool, bench_it: bool) -> dict[str, Any]:
         """Load an artifact (a freshly lowered one, or one from the store), verify it against the
