@@ -182,12 +182,12 @@ def main() -> None:
 
 
 def _compiler_cache(side: str, results: list[Any]) -> None:
-    """What the node's compiler cache (fresh for each side, in its FARM_NODE_CACHE) served the farm
-    side, whose code differs unit by unit; the serial side runs g++ itself."""
+    """What the node's compiler cache served the farm side. Each side has a fresh one (in its
+    FARM_NODE_CACHE) and every unit's code differs, so it should serve nothing: like for like."""
     hits = sum(r.metrics.get("compiler_cache_hits", 0) for r in results)
     compiles = hits + sum(r.metrics.get("compiler_cache_misses", 0) for r in results)
     print(f"{side}: the node's compiler cache served {hits:.0f} of {compiles:.0f} cacheable C++ compiles "
-          f"(the serial side has none)")
+          f"(each side starts with an empty one)")
 
 
 def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tuple[float, float, Any, Any]:
