@@ -6,8 +6,9 @@
 #   git clone -q /path/to/farm /tmp/figures && cd /tmp/figures && bash bench/issue_figures.sh [LOG]
 #
 # Each bench's whole output goes to LOG (default: .farm/bench-figures.log, beside the demo's
-# store), its exit status and wall time after it; the goals are in each bench's own lines. BENCH_QUICK=1 runs one
-# trial of each (a look, not the figures). Took 49 minutes on 2 cores (2026-11-29).
+# store), its exit status and wall time after it; the goals are in each bench's own lines.
+# BENCH_QUICK=1 runs one trial of each (a look, not the figures). Took 49 minutes on 2 cores
+# (2026-11-29).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-.farm/bench-figures.log}
