@@ -27,14 +27,12 @@ step() {  # step NAME COMMAND...: run it, its output and how it ended into the l
 
 demo_twice() {  # issue 36: ./dev demo's second run, 8 s or less (the first one sets up the venv)
   ./dev demo
-  local began
-  began=$(date +%s.%N)
-  ./dev demo
-  python3 -c "import sys, time; print(f'./dev demo, second run: {time.time() - float(sys.argv[1]):.1f} s (goal: 8 s or less)')" "$began"
+  local TIMEFORMAT='./dev demo, second run: %1R s (goal: 8 s or less)'
+  time ./dev demo
 }
 
 py=.venv/bin/python
-{ echo "commit $(git rev-parse --short HEAD), $(date -u +%FT%TZ), $(nproc) cores"; } | tee -a "$log"
+echo "commit $(git rev-parse --short HEAD), $(date -u +%FT%TZ), $(nproc) cores" | tee -a "$log"
 step demo demo_twice
 step fanout $py bench/fanout.py --trials "$trials" --service
 step shared $py bench/shared.py --trials "$trials"
