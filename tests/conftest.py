@@ -40,13 +40,8 @@ LONGEST_FIRST = ("test_remote_cache", "test_training", "test_sandbox_children", 
 def pytest_collection_modifyitems(items):
     """The Ray group first (the largest), then LONGEST_FIRST, then the rest as collected; each
     module's tests keep their order."""
-    def rank(item) -> int:
-        stem = Path(str(item.path)).stem
-        if stem in RAY_MODULES:
-            return 0
-        return 1 + LONGEST_FIRST.index(stem) if stem in LONGEST_FIRST else 1 + len(LONGEST_FIRST)
-
-    items.sort(key=rank)
+    order = {stem: i for i, stem in enumerate(LONGEST_FIRST, start=1)}
+    items.sort(key=lambda item: 0 if item.path.stem in RAY_MODULES else order.get(item.path.stem, len(order) + 1))
 
 
 def pytest_xdist_make_scheduler(config, log):
