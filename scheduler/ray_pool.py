@@ -9,6 +9,9 @@ Joining or starting a cluster is `ray_session`'s.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -26,6 +29,7 @@ from scheduler.ray_session import NAMESPACE
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
 from workers.errors import summary
+from workers.frozen_heap import heap_frozen_after
 from workers.sandbox import tempdirs
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
@@ -277,8 +281,9 @@ def _stop(actors: list, close: bool = True) -> None:
 def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: float) -> list[Any]:
     """fn(*call) for every call, as named Ray tasks of one CPU each, spread over the cluster;
     the results in order, a call that raised, died or ran past timeout_s as a TaskFailed."""
-    remote = ray.remote(num_cpus=1, max_retries=1)(fn)
-    refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}").remote(*call) for i, call in enumerate(calls)]
+    remote = ray.remote(num_cpus=1, max_retries=1)(_imported_then_called)
+    named = f"{fn.__module__}:{fn.__qualname__}"
+    refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}").remote(named, *call) for i, call in enumerate(calls)]
     deadline, results = time.monotonic() + timeout_s, []
     for ref in refs:
         try:
@@ -290,6 +295,17 @@ def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: 
             ray.cancel(ref, force=True)
             results.append(TaskFailed(f"{type(e).__name__}: the task died or ran past {timeout_s:g}s"))
     return results
+
+
+def _imported_then_called(ref: str, *call: Any) -> Any:
+    """On the task's worker: `module:function` imported by name, the first time with its heap
+    frozen after (a zoo suite imports torch there: workers/frozen_heap.py), then called. Ray would
+    import fn's module as it unpickled fn, before any code of ours could run."""
+    module, _, qualname = ref.partition(":")
+    if module not in sys.modules:
+        with heap_frozen_after():
+            importlib.import_module(module)
+    return functools.reduce(getattr, qualname.split("."), sys.modules[module])(*call)
 
 
 @dataclass(frozen=True)

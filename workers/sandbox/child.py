@@ -5,8 +5,6 @@ its own limits before it reads any input.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
 import os
@@ -18,9 +16,10 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from workers.errors import summary
+from workers.frozen_heap import heap_frozen_after
 from workers.unit import UnitLimits
 
 HEADER_BYTES = 8
@@ -109,24 +108,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1 and not os.environ.get("FARM_JAIL_TMP"):  # the worker died before we asked
         os._exit(1)  # (in a jail, pid 1 is the namespace's init, our parent, which bubblewrap ties to the worker)
-
-
-@contextlib.contextmanager
-def heap_frozen_after() -> Iterator[None]:
-    """For a warm-up's imports: the cyclic GC paused while they run, then what they made frozen
-    (gc.freeze: the permanent generation, which no collection walks). torch's, Dynamo's and
-    Inductor's imports make a heap of about 460,000 tracked objects, and the GC walked it again
-    and again as it grew: about 1,100 collections, 7 of them full, 0.8 of the 3.6 CPU-s those
-    imports took here. Frozen, it is not walked again by this process's collections nor by its
-    forked children's, which then leave its pages shared with the zygote (what the gc module's
-    docs advise for a process that forks). The imports' own garbage (about 20,000 objects in
-    cycles, a few MB) stays: a full collection to free it cost 0.4 CPU-s."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def warm_up_imports() -> None:

@@ -113,7 +113,7 @@ def _warm_lowering() -> None:
     """Once a child of ours has lowered, this zygote will likely fork more that lower (a worker's
     next jobs): what a process's first lowering does beyond the imports (steps.warm_up_lowering)
     is done here, once, for all of them. A zygote whose children only name programs never pays it."""
-    from workers.sandbox.child import heap_frozen_after
+    from workers.frozen_heap import heap_frozen_after
     from workers.sandbox.steps import warm_up_lowering
 
     began = time.perf_counter()
