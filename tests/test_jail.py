@@ -187,6 +187,33 @@ def test_a_lowering_runs_jailed_and_its_manifest_says_so(zoo_dir, tmp_path, monk
     assert list(header_dir().glob("*.h.gch"))
 
 
+# Names a program in a jailed sandbox of its own: what every unit does first.
+IDENTIFY = textwrap.dedent("""
+    import json, shutil, sys, time
+    from workers.sandbox.process import Sandbox
+    from workers.unit import Target, Unit, UnitLimits
+    unit = Unit(graph="mlp", source="mlp.pt2", target=Target("aoti-cpu"), program=None)
+    with Sandbox() as sandbox, sandbox.workdir() as workdir:
+        reply = sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
+                             program=shutil.copy(sys.argv[1], workdir))
+        print(json.dumps({"jailed": sandbox.jailed, "program": len(reply["identity"]["program"])}))
+""")
+
+
+def test_a_venv_reached_through_a_link_runs_jailed_sandboxes(zoo_dir, tmp_path):
+    """A `.venv` that is a link to another dir (an environment shared between checkouts): the jail
+    binds where the link leads, and the sandbox starts Python by that path. (Bubblewrap found no
+    Python at the link's path, and every unit failed: 'the sandbox closed its reply pipe'.)"""
+    linked = tmp_path / "venv-link"
+    linked.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    python = linked / "bin" / Path(sys.executable).name
+    root = Path(__file__).parents[1]
+    out = subprocess.run([str(python), "-c", IDENTIFY, str(zoo_dir / "mlp.pt2")], cwd=root, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"jailed": True, "program": 64}
+
+
 def test_a_bench_can_give_each_side_a_node_of_its_own(tmp_path, monkeypatch):
     """FARM_NODE_CACHE, for a bench's cold sides: a jailed child's headers and host records go there
     instead, and the child is told where it finds the records."""

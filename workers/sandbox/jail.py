@@ -185,6 +185,15 @@ def _dirs(path: Path) -> list[str]:
     return [a for p in reversed(path.parents) if str(p) != "/" for a in ("--perms", "0755", "--dir", str(p))]
 
 
+def interpreter() -> str:
+    """This Python by a path the jail has: its bin dir with symlinks resolved, as the jail binds
+    sys.prefix (a `.venv` that is a link to another dir failed every sandbox: bubblewrap found no
+    `.venv/bin/python` to run), its own name kept (a venv's `python` links to the base interpreter,
+    which finds the venv only when started by the venv's path)."""
+    exe = Path(sys.executable)
+    return str(exe.parent.resolve() / exe.name)
+
+
 def _read_only() -> list[str]:
     args: list[str] = ["--ro-bind", "/usr", "/usr"]
     for name in SYSTEM_LINKS:

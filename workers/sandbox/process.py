@@ -37,7 +37,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -234,7 +233,7 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # -P: `-m` would put its cwd (this HOME, which children may write) first on the import path
         # that every later child inherits, so one job's child could plant a module for the next's
-        argv = [sys.executable, "-P", "-m", self.zygote_module, str(theirs.fileno()), device]
+        argv = [jail.interpreter(), "-P", "-m", self.zygote_module, str(theirs.fileno()), device]
         self._zygote_log = self.root() / f"zygote-{self.starts}.log"
         with open(self._zygote_log, "wb") as startup:
             how = dict(stdin=subprocess.DEVNULL, stdout=startup, stderr=startup, pass_fds=(theirs.fileno(),),
