@@ -280,7 +280,11 @@ def _stop(actors: list, close: bool = True) -> None:
 
 def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: float) -> list[Any]:
     """fn(*call) for every call, as named Ray tasks of one CPU each, spread over the cluster;
-    the results in order, a call that raised, died or ran past timeout_s as a TaskFailed."""
+    the results in order, a call that raised, died or ran past timeout_s as a TaskFailed. fn is
+    a module-level function: the task imports it by name."""
+    if "<" in fn.__qualname__:
+        raise ValueError(f"run_tasks imports fn by name on the worker; {fn.__module__}.{fn.__qualname__} "
+                         "is a lambda or a local function: define it at a module's top level")
     remote = ray.remote(num_cpus=1, max_retries=1)(_imported_then_called)
     named = f"{fn.__module__}:{fn.__qualname__}"
     refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}").remote(named, *call) for i, call in enumerate(calls)]

@@ -207,3 +207,16 @@ def test_an_isa_no_worker_covers_still_gets_its_own_workers():
     assert "farm_cpu_avx2" in results["g0@aoti-cpu:avx2"].error
     assert [results[f"g{i}@aoti-cpu:x86-64"].status for i in (0, 1)] == ["compiled", "compiled"]
     assert {name.split("/")[2] for name, _ in cluster.ran} == {"farm_cpu_x86_64"}
+
+
+def test_run_tasks_refuses_a_function_its_workers_cannot_import_by_name():
+    """A Ray task imports its function by `module:name` (with the heap frozen after the import):
+    a lambda or a local function is refused before anything is placed, saying what to do."""
+    from scheduler.ray_pool import run_tasks
+
+    def local() -> None:
+        pass
+
+    for fn in (lambda: None, local):
+        with pytest.raises(ValueError, match="is a lambda or a local function: define it at a module's top level"):
+            run_tasks(fn, [()], "export", 1.0)
