@@ -210,11 +210,19 @@ class _UnforkingZygoteSandbox(Sandbox):
     zygote_module = "tests.unforking_zygote"
 
 
+class _MissingZygoteSandbox(Sandbox):
+    zygote_module = "tests.no_such_zygote"
+
+
 @pytest.mark.parametrize("kind, says", [(_SilentZygoteSandbox, r"its zygote forked it as pid \d+, which never said"),
-                                        (_UnforkingZygoteSandbox, "its zygote had not forked it")])
+                                        (_UnforkingZygoteSandbox, "its zygote had not forked it"),
+                                        (_MissingZygoteSandbox, "its zygote exited with status 1: .*"
+                                                                "No module named tests.no_such_zygote")])
 def test_a_child_that_never_starts_fails_the_unit_saying_where_its_start_stalled(kind, says, monkeypatch):
     """A start that stalls (seen once under CI's load: 300 s without a word) fails the unit,
-    retryable, saying whether the zygote had forked the child: the cause a next one must show."""
+    retryable, saying whether the zygote had forked the child: the cause a next one must show. A
+    zygote that exits at once says why in the message, not only in the unit's log (a jail that
+    could not exec the venv's Python said only 'the sandbox closed its reply pipe')."""
     from workers.sandbox import process
     from workers.sandbox.process import SandboxFailed
     from workers.unit import UnitLimits

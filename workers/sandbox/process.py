@@ -328,7 +328,8 @@ class Sandbox:
             ready = read_reply(self._replies, self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
             output = "".join(_read_text(log) for log in (self._zygote_log, self._startup_log) if log)
-            stalled = self._where_the_start_stalled()
+            stalled = self._where_the_start_stalled(_read_text(self._zygote_log) if self._zygote_log else "",
+                                                    closed=isinstance(e, OSError))
             self._kill()  # (which removes the child's HOME, its start-up log with it)
             raise SandboxFailed(f"the sandbox did not start ({e}{stalled})", output, retryable=True) from None
         now = time.monotonic()
@@ -338,11 +339,18 @@ class Sandbox:
         self._spawned = None
         return now - waiting
 
-    def _where_the_start_stalled(self) -> str:
-        """Whether the zygote forked the child that never said it was ready: where its start
-        stalled, for the unit log (it found read_exact's deadline read before the pipe)."""
-        if self._proc is None or self._proc.poll() is not None:
-            return ""  # the zygote is gone: its log says why
+    def _where_the_start_stalled(self, output: str, closed: bool) -> str:
+        """Where the start of a child that never said it was ready stalled: the zygote's end, with
+        its last words (bubblewrap's or Python's: the pipe closes as it exits), or whether it
+        forked the child (it found read_exact's deadline read before the pipe)."""
+        if self._proc is None:
+            return ""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=2 if closed else 0)  # a closed pipe: the zygote may be exiting
+        if self._proc.poll() is not None:
+            last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+            said = f": {last[:300]}" if last else " (it wrote nothing)"
+            return f"; its zygote exited with status {self._proc.returncode}{said}"
         self._hear_zygote(0)
         if self._forked is not None:
             return f"; its zygote forked it as pid {self._forked}, which never said it was ready"
