@@ -21,7 +21,9 @@ from farm.store_cli import register as register_store_commands
 from farm.zoo_cli import zoo_app
 from scheduler.spec import JobSpec, SpecError, TargetSpec, VerifySpec, load_job, parse_job
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="A compile farm for PyTorch 2 exported programs.")
+# markdown: a docstring's lines are joined into one paragraph (rich mode kept its line breaks, ragged in `farm --help`)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help="A compile farm for PyTorch 2 exported programs.")
 app.add_typer(zoo_app, name="zoo")
 register_store_commands(app)
 register_service_commands(app)
