@@ -13,10 +13,11 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
-from farm.client import submit
+from farm.client import JobHandle, submit
 from farm.regressions import Regression, find_regressions
+from farm.service_client import find
 from farm.zoo import ZooModel, export_bytes, load_suite
 from scheduler.jobs import Events, NoEvents
 from scheduler.ray_pool import TaskFailed, run_tasks
@@ -51,9 +52,11 @@ class Exported:
 
 def run_suite(suite_ref: str, store: Store, address: str | None = None, date: str | None = None,
               progress: Callable[[], ContextManager[Events]] = lambda: contextlib.nullcontext(NoEvents()),
-              targets: list[str] | None = None) -> NightlyRun:
-    """`progress` makes the events of one job (a live bar per job in the CLI); `targets` replace every
-    entry's own."""
+              targets: list[str] | None = None,
+              follow: Callable[[JobHandle], Any] = lambda handle: handle.wait(every=0.25)) -> NightlyRun:
+    """`progress` makes the events of one job run here (a live bar per job in the CLI); `follow(handle)`
+    waits for one a farm service runs (the CLI prints its status as it changes); `targets` replace
+    every entry's own."""
     entries = load_suite(suite_ref)
     if targets:
         entries = [replace(e, targets=tuple(targets)) for e in entries]
@@ -69,15 +72,32 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
         for e in exported:
             if e.path is None:
                 rows += [_unbuilt_row(base, e, t) for t in e.entry.targets]
-        for spec, group in _jobs(run_id, [e for e in exported if e.path is not None]):
-            with progress() as events:  # in this session: the client's submit finds it open
-                handle = submit(parse_job(spec, "farm zoo run"), store, address, events=events)
+        jobs = _jobs(run_id, [e for e in exported if e.path is not None])
+        for group, handle in _compiled(jobs, store, address, progress, follow):
             by_name = {e.entry.name: e for e in group}
             rows += [_row(base, by_name[r.graph], r, handle.job_id) for r in handle.outcome.results
                      if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job
     append_run(store, date, run_id, rows)
     history = read_history(store)
     return NightlyRun(run_id, date, rows, find_regressions(history.to_pylist(), run_id), history)
+
+
+def _compiled(jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, address: str | None,
+              progress: Callable[[], ContextManager[Events]],
+              follow: Callable[[JobHandle], Any]) -> Iterator[tuple[list[Exported], JobHandle]]:
+    """Each job's group of entries, with the job once it ended. A farm service gets every job of the
+    run at once: its workers share them (at priority nightly), so that one group's last units do not
+    hold the next group back. Without one, the jobs run here one after another, each on workers of
+    its own."""
+    if find(address, store) is None:
+        for spec, group in jobs:
+            with progress() as events:  # in this session: the client's submit finds it open
+                yield group, submit(parse_job(spec, "farm zoo run"), store, address, events=events)
+        return
+    handed = [(group, submit(parse_job(spec, "farm zoo run"), store, address, wait=False)) for spec, group in jobs]
+    for group, handle in handed:
+        follow(handle)
+        yield group, handle.wait(every=0.25)  # (ended: its outcome read back from the store)
 
 
 def _export(suite_ref: str, entries: list[ZooModel], dest: Path) -> list[Exported]:

@@ -72,7 +72,8 @@ def zoo_run(
 
     s = open_store(store)
     try:
-        run = run_suite(suite, s, address=address, date=date, progress=ProgressEvents, targets=target or None)
+        run = run_suite(suite, s, address=address, date=date, progress=ProgressEvents, targets=target or None,
+                        follow=_follow)
     except (ValueError, SpecError, StoreError) as e:
         raise fail(str(e)) from e
     except JobInterrupted as e:
@@ -88,6 +89,15 @@ def zoo_run(
         _print_regressions(run.regressions)
         raise typer.Exit(1)
     out.print("no regressions against the previous run")
+
+
+def _follow(handle) -> None:
+    """A job of the run that the farm service runs: its status as it changes, until it ends."""
+    from farm.console import out, watch_status
+
+    out.print(f"job {handle.job_id} on the farm service: `farm status {handle.job_id} --watch --store "
+              f"{handle.store.uri}` follows it from any machine, `farm cancel {handle.job_id}` cancels it")
+    watch_status(handle.status, 0.25)
 
 
 @zoo_app.command("report")

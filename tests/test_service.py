@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,6 +19,7 @@ from scheduler.ray_service import SERVICE, ServiceError, call, find_service, sta
 from scheduler.service_config import CacheSecrets, CacheSettings, ServiceConfig
 from scheduler.spec import SpecError
 from storage.results import read_results
+from storage.service_jobs import ServiceJobs
 from tests.gang_models import replicas
 
 pytestmark = pytest.mark.slow
@@ -93,6 +95,33 @@ def test_two_jobs_with_one_key_in_flight_compile_it_once(service, ray_cluster, z
     rows = read_results(a.store, a.job_id) + read_results(b.store, b.job_id)
     assert sorted(r["status"] for r in rows) == ["compiled", "hit"], [(r["status"], r["error"]) for r in rows]
     assert rows[0]["key"] == rows[1]["key"]
+
+
+def test_a_zoo_run_hands_every_job_of_its_run_to_the_service_at_once(service, ray_cluster, monkeypatch):
+    """A zoo run makes one job per settings group. On a service every job of the run is handed
+    over before the run waits for any, at priority nightly, so they share its workers. (They used
+    to run one after the other: the next group's job was submitted only once the last one had
+    ended, while the farm's workers drained.) Judged by the order of the run's own calls, which
+    go to the real service: the units here take a fraction of a second."""
+    from farm import nightly
+
+    calls = []
+
+    def handing_over(spec, *args, **kwargs):
+        calls.append(("submit", spec.name, kwargs.get("wait", True)))
+        return client.submit(spec, *args, **kwargs)
+
+    monkeypatch.setattr(nightly, "submit", handing_over)
+    run = nightly.run_suite(str(Path(__file__).parent / "fixtures" / "two_groups_zoo.py"), service.store(),
+                            address=ray_cluster.address, follow=lambda handle: calls.append(("follow", handle.job_id)))
+    assert [c[0] for c in calls] == ["submit", "submit", "follow", "follow"], calls
+    assert [c[2] for c in calls[:2]] == [False, False], calls
+    assert sorted((r["model"], r["status"]) for r in run.rows) == [("deep", "compiled"), ("loose", "compiled"),
+                                                                  ("wide", "compiled")], run.rows
+    jobs = {r["model"]: r["job_id"] for r in run.rows}
+    assert jobs["wide"] == jobs["deep"] != jobs["loose"]  # two jobs, one per settings group
+    assert [c[1] for c in calls[2:]] == [jobs["wide"], jobs["loose"]]
+    assert {ServiceJobs(service.store()).get(j).priority for j in jobs.values()} == {"nightly"}
 
 
 def test_a_later_gang_of_the_same_shape_runs_on_the_warm_ranks_of_an_earlier_one(service, ray_cluster, tmp_path):
