@@ -8,7 +8,8 @@ import typer
 
 from farm.cli_common import StoreOpt, cannot_write, fail, interrupted, open_store
 
-zoo_app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown", help="The model zoo: export it, run a suite nightly, report on the history.")
+zoo_app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown",  # as farm/cli.py's app
+                      help="The model zoo: export it, run a suite nightly, report on the history.")
 SuiteOpt = typer.Option("smoke", "--suite", help="smoke, hf, nightly, or a team's own: path/to/zoo.py or package.module:NAME")
 ReportOpt = typer.Option(Path(".farm/zoo-report.html"), "--report", help="where to write the HTML report")
 
