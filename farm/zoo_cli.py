@@ -98,7 +98,12 @@ def _follow(handle) -> None:
 
     out.print(f"job {handle.job_id} on the farm service: `farm status {handle.job_id} --watch --store "
               f"{handle.store.uri}` follows it from any machine, `farm cancel {handle.job_id}` cancels it")
-    watch_status(handle.status, 0.25)
+    try:
+        watch_status(handle.status, 0.25)
+    except KeyboardInterrupt:
+        out.print("stopped following; the run's jobs keep running on the farm service (`farm jobs`, `farm cancel "
+                  "JOB`), and this run is not added to the history")
+        raise typer.Exit(130) from None
 
 
 @zoo_app.command("report")
