@@ -31,3 +31,36 @@ def test_each_command_is_described_on_one_line_of_the_listing(args, typer_app):
     assert described and all(described.values()), described  # every command says what it does
     for name, text in described.items():
         assert any(line.startswith(f"{name} {text}") for line in lines), (name, text, listing.output)
+
+
+def test_ctrl_c_while_a_zoo_run_follows_a_service_job_says_what_goes_on_and_exits_130(monkeypatch):
+    """A zoo run on a farm service waits on jobs the service runs: Ctrl-C stops the waiting, not the
+    jobs, and the run is not added to the history; the user is told so (not a traceback)."""
+    import io
+
+    import typer
+    from rich.console import Console
+
+    from farm import console
+    from farm.zoo_cli import _follow
+
+    printed = io.StringIO()
+    monkeypatch.setattr(console, "out", Console(file=printed, width=200))
+
+    class Interrupted:  # the job's status, read as the user presses Ctrl-C
+        job_id, store = "zoo-night-0-1", type("Store", (), {"uri": "file:///farm"})()
+
+        def status(self):
+            raise KeyboardInterrupt
+
+    ended = None
+    try:
+        _follow(Interrupted())
+    except KeyboardInterrupt:  # (caught here: escaping, it would stop the whole test session)
+        pytest.fail("Ctrl-C escaped _follow: the user gets a traceback")
+    except typer.Exit as e:
+        ended = e
+    said = " ".join(printed.getvalue().split())
+    assert ended is not None and ended.exit_code == 130
+    assert "farm status zoo-night-0-1 --watch --store file:///farm" in said
+    assert "keep running on the farm service" in said and "not added to the history" in said
