@@ -1,5 +1,6 @@
-"""`farm --help` as a user reads it: each command's description on one line of the listing where
-the terminal is wide enough (it kept its docstring's line breaks, ragged mid-sentence)."""
+"""What the CLI tells a user, in process: `farm --help` with each command's description on one line
+of the listing where the terminal is wide enough (it kept its docstring's line breaks, ragged
+mid-sentence), and what Ctrl-C says while a zoo run waits on a farm service."""
 from __future__ import annotations
 
 import inspect
