@@ -129,6 +129,28 @@ def close_ranks(warm: WarmRanks) -> None:
     _stop(warm.close())
 
 
+def gang_bundle(gang: Gang) -> tuple[dict[str, float], str] | str:
+    """One rank's bundle, sharing a node's slots among the ranks (a gang of 4 fits on 2 cores),
+    or why none can be made."""
+    unreadable = [f"rank {r}: {u.ingest_error}" for r, u in enumerate(gang.ranks) if u.program is None]
+    if unreadable:
+        return "ranks that cannot take part, so the gang was not placed: " + "; ".join(unreadable)
+    try:
+        placement = resolve(gang.ranks[0].target).placement(gang.ranks[0].target)
+    except LoweringError as e:
+        return str(e)
+    resource = placement.device_class
+    slots = max((min(n["Resources"].get(resource, 0), n["Resources"].get("CPU", 0))
+                 for n in ray.nodes() if n.get("Alive")), default=0)
+    if slots <= 0:
+        advice = f"; {placement.unoffered}" if placement.unoffered else ""
+        return (f"no Ray node offers resource {resource!r} and a CPU, so no rank could be placed; start a node "
+                f"that can with ray start --resources \"$(farm resources)\"{advice}")
+    share = round(min(1.0, slots / gang.world_size), 4)
+    bundle = {"CPU": share, resource: share} | ({"GPU": placement.gpus} if placement.gpus else {})
+    return bundle, resolve(gang.ranks[0].target).device
+
+
 class GangRunner:
     """Places each gang with a placement group (one bundle per rank, all or nothing) and runs it;
     any rank's failure or death fails the whole gang, whose actors and bundles are then freed."""
@@ -143,29 +165,8 @@ class GangRunner:
                 events.finished(unit, result)
                 yield unit, result
 
-    def _bundle(self, gang: Gang) -> tuple[dict[str, float], str] | str:
-        """One rank's bundle, sharing a node's slots among the ranks (a gang of 4 fits on 2 cores),
-        or why none can be made."""
-        unreadable = [f"rank {r}: {u.ingest_error}" for r, u in enumerate(gang.ranks) if u.program is None]
-        if unreadable:
-            return "ranks that cannot take part, so the gang was not placed: " + "; ".join(unreadable)
-        try:
-            placement = resolve(gang.ranks[0].target).placement(gang.ranks[0].target)
-        except LoweringError as e:
-            return str(e)
-        resource = placement.device_class
-        slots = max((min(n["Resources"].get(resource, 0), n["Resources"].get("CPU", 0))
-                     for n in ray.nodes() if n.get("Alive")), default=0)
-        if slots <= 0:
-            advice = f"; {placement.unoffered}" if placement.unoffered else ""
-            return (f"no Ray node offers resource {resource!r} and a CPU, so no rank could be placed; start a node "
-                    f"that can with ray start --resources \"$(farm resources)\"{advice}")
-        share = round(min(1.0, slots / gang.world_size), 4)
-        bundle = {"CPU": share, resource: share} | ({"GPU": placement.gpus} if placement.gpus else {})
-        return bundle, resolve(gang.ranks[0].target).device
-
     def _run(self, gang: Gang, store_uri: str, events) -> list[UnitResult]:
-        made = self._bundle(gang)
+        made = gang_bundle(gang)
         if isinstance(made, str):
             return [_failed(u, f"gang {gang.label}: {made}", retryable=True) for u in gang.ranks]
         bundle, device = made

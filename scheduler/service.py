@@ -48,13 +48,16 @@ class ServiceRunner:
         yield from self.pool.run(self.job_id, self.priority, units, store, events, self.cap)
 
     def gangs(self, gangs: list[Gang], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
-        from scheduler.ray_pool import PLACE_S, GangRunner
+        from scheduler.ray_pool import PLACE_S, GangRunner, gang_bundle
 
         for gang in gangs:
             if self.pool.cancelled(self.job_id):
                 yield from self.pool.run(self.job_id, self.priority, list(gang.ranks), store, events, self.cap)
                 continue
-            with self.pool.hold(min(gang.world_size, self.pool.cpus())):
+            made = gang_bundle(gang)  # (one that cannot be made fails the gang in GangRunner, holding nothing)
+            slots = {} if isinstance(made, str) else {r: n * gang.world_size for r, n in made[0].items()
+                                                      if r not in ("CPU", "GPU")}
+            with self.pool.hold(min(gang.world_size, self.pool.cpus()), slots):
                 # workers over the smaller pool leave as their unit ends: within the longest unit's limit
                 place_s = PLACE_S + self.pool.longest_timeout()
                 yield from GangRunner(self.job_id, place_s, self.pool.gang_ranks)([gang], store, events)

@@ -252,6 +252,33 @@ def test_workers_that_left_for_a_gang_start_again_after_it_with_nothing_queued()
         [False, False, True, True]
     pool.stop()
 
+def test_a_gang_takes_its_classs_slots_from_idle_workers_of_that_class_though_cpus_are_left():
+    """The test cluster's shape: x86-64 has one slot, on a node of its own. A gang of x86-64 ranks
+    needs that slot, though the pool has CPUs enough without it: the idle x86-64 worker leaves and
+    none starts while the gang holds it, even for a queued x86-64 unit, which runs after. (Its
+    bundles waited 60 s and failed: 'Ray could not reserve 2 bundles', when no avx2 worker happened
+    to be there to leave instead.)"""
+    cluster = FakeCluster()
+    cluster.offers = {"CPU": 3.0, "farm_cpu_avx2": 2.0, "farm_cpu_x86_64": 1.0}
+    cluster.node_offers = [{"CPU": 2.0, "farm_cpu_avx2": 2.0}, {"CPU": 1.0, "farm_cpu_x86_64": 1.0}]
+    pool = SharedPool(cluster, "mem://", ServiceConfig())
+    x86 = lambda g: Unit(g, f"{g}.pt2", Target("aoti-cpu", "x86-64"), BlobRef("0" * 64, 1), limits=UnitLimits())  # noqa: E731
+    box: dict = {}
+    _run_job(pool, "j", "batch", [x86("g0")], box).join(timeout=10)
+    assert [s.resource for s in _workers(pool)] == ["farm_cpu_x86_64"]
+    deadline = time.monotonic() + 10
+    with pool.hold(2, {"farm_cpu_x86_64": 1.0}):
+        while _workers(pool) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _workers(pool)  # idle: it left at once, for the gang's bundles
+        late = _run_job(pool, "k", "batch", [x86("g1")], box)
+        time.sleep(0.3)
+        assert not _workers(pool) and "k" not in box  # no x86-64 worker while the gang holds its slot
+    late.join(timeout=10)
+    assert [r.status for _, r in box["k"]] == ["compiled"]  # after the gang: a worker again, and the unit ran
+    pool.stop()
+
+
 class _Rank:
     def __init__(self, n: int):
         self._actor_id, self.rests = n, 0
