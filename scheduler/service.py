@@ -54,7 +54,7 @@ class ServiceRunner:
             if self.pool.cancelled(self.job_id):
                 yield from self.pool.run(self.job_id, self.priority, list(gang.ranks), store, events, self.cap)
                 continue
-            made = gang_bundle(gang)  # (one that cannot be made fails the gang in GangRunner, holding nothing)
+            made = gang_bundle(gang)  # (one that cannot be made: GangRunner fails the gang at once)
             slots = {} if isinstance(made, str) else {r: n * gang.world_size for r, n in made[0].items()
                                                       if r not in ("CPU", "GPU")}
             with self.pool.hold(min(gang.world_size, self.pool.cpus()), slots):
