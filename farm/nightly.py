@@ -68,12 +68,13 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
     base = {"run_id": run_id, "run_at": run_at, "suite": suite_name}
     rows: list[dict[str, Any]] = []
     with ray_session(address), tempfile.TemporaryDirectory(prefix="farm-zoo-") as tmp:
-        exported = _export(suite_ref, entries, Path(tmp))
+        served = find(address, store) is not None  # a farm service's warm workers may hold every CPU
+        exported = _export(suite_ref, entries, Path(tmp), beside=served)
         for e in exported:
             if e.path is None:
                 rows += [_unbuilt_row(base, e, t) for t in e.entry.targets]
         jobs = _jobs(run_id, [e for e in exported if e.path is not None])
-        for group, handle in _compiled(jobs, store, address, progress, follow):
+        for group, handle in _compiled(jobs, store, address, served, progress, follow):
             by_name = {e.entry.name: e for e in group}
             rows += [_row(base, by_name[r.graph], r, handle.job_id) for r in handle.outcome.results
                      if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job
@@ -82,14 +83,14 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
     return NightlyRun(run_id, date, rows, find_regressions(history.to_pylist(), run_id), history)
 
 
-def _compiled(jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, address: str | None,
+def _compiled(jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, address: str | None, served: bool,
               progress: Callable[[], ContextManager[Events]],
               follow: Callable[[JobHandle], Any]) -> Iterator[tuple[list[Exported], JobHandle]]:
-    """Each job's group of entries, with the job once it ended. A farm service gets every job of the
-    run at once: its workers share them (at priority nightly), so that one group's last units do not
-    hold the next group back. Without one, the jobs run here one after another, each on workers of
-    its own."""
-    if find(address, store) is None:
+    """Each job's group of entries, with the job once it ended. A farm service (`served`) gets every
+    job of the run at once: its workers share them (at priority nightly), so that one group's last
+    units do not hold the next group back. Without one, the jobs run here one after another, each
+    on workers of its own."""
+    if not served:
         for spec, group in jobs:
             with progress() as events:  # in this session: the client's submit finds it open
                 yield group, submit(parse_job(spec, "farm zoo run"), store, address, events=events)
@@ -100,8 +101,10 @@ def _compiled(jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, a
         yield group, handle.wait(every=0.25)  # (ended: its outcome read back from the store)
 
 
-def _export(suite_ref: str, entries: list[ZooModel], dest: Path) -> list[Exported]:
-    """Every entry's program, exported on a worker; entries whose optional packages are missing here are skipped."""
+def _export(suite_ref: str, entries: list[ZooModel], dest: Path, beside: bool) -> list[Exported]:
+    """Every entry's program, exported on a worker; entries whose optional packages are missing here
+    are skipped. `beside`: beside a farm service's workers, which may hold every CPU while warm
+    (scheduler.ray_pool.run_tasks); the export would otherwise wait for them to stop."""
     out: dict[str, Exported] = {}
     wanted = []
     for entry in entries:
@@ -110,7 +113,8 @@ def _export(suite_ref: str, entries: list[ZooModel], dest: Path) -> list[Exporte
             out[entry.name] = Exported(entry, None, None, f"needs {', '.join(missing)} (pip install -e '.[hf]')", True)
         else:
             wanted.append(entry)
-    replies = run_tasks(export_bytes, [(suite_ref, e.name) for e in wanted], "zoo export", EXPORT_TIMEOUT_S)
+    replies = run_tasks(export_bytes, [(suite_ref, e.name) for e in wanted], "zoo export", EXPORT_TIMEOUT_S,
+                        beside=beside)
     for entry, reply in zip(wanted, replies):
         if isinstance(reply, TaskFailed):
             out[entry.name] = Exported(entry, None, None, f"export failed: {reply.error}")

@@ -279,16 +279,25 @@ def _stop(actors: list, close: bool = True) -> None:
     tempdirs.sweep_orphans()
 
 
-def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: float) -> list[Any]:
+def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: float,
+              beside: bool = False) -> list[Any]:
     """fn(*call) for every call, as named Ray tasks of one CPU each, spread over the cluster;
     the results in order, a call that raised, died or ran past timeout_s as a TaskFailed. fn is
-    a module-level function: the task imports it by name."""
+    a module-level function: the task imports it by name. `beside`: on a cluster whose CPUs a farm
+    service's warm workers hold, tasks that take none of Ray's CPUs, spread over the nodes that
+    offer a farm device class (as burst workers run; not on a head kept for scheduling); where
+    no node offers one, tasks of one CPU as without it."""
     if "<" in fn.__qualname__:
         raise ValueError(f"run_tasks imports fn by name on the worker; {fn.__module__}.{fn.__qualname__} "
                          "is a lambda or a local function: define it at a module's top level")
     remote = ray.remote(num_cpus=1, max_retries=1)(_imported_then_called)
+    farm_nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and any(r.startswith("farm_") for r in n["Resources"])
+                  ] if beside else []
+    where = [{"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+             for node in farm_nodes] or [{}]
     named = f"{fn.__module__}:{fn.__qualname__}"
-    refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}").remote(named, *call) for i, call in enumerate(calls)]
+    refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}", **where[i % len(where)]).remote(named, *call)
+            for i, call in enumerate(calls)]
     deadline, results = time.monotonic() + timeout_s, []
     for ref in refs:
         try:

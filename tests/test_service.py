@@ -97,27 +97,49 @@ def test_two_jobs_with_one_key_in_flight_compile_it_once(service, ray_cluster, z
     assert rows[0]["key"] == rows[1]["key"]
 
 
-def test_a_zoo_run_hands_every_job_of_its_run_to_the_service_at_once(service, ray_cluster, monkeypatch):
-    """A zoo run makes one job per settings group. On a service every job of the run is handed
-    over before the run waits for any, at priority nightly, so they share its workers. (They used
-    to run one after the other: the next group's job was submitted only once the last one had
-    ended, while the farm's workers drained.) Judged by the order of the run's own calls, which
-    go to the real service: the units here take a fraction of a second."""
+@ray.remote(num_cpus=1)
+class _HoldsACpu:
+    """As a farm service's warm worker does: it holds a CPU of Ray's while it lives."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_zoo_run_exports_beside_busy_workers_and_hands_every_job_of_its_run_to_the_service_at_once(
+        service, ray_cluster, monkeypatch):
+    """A zoo run exports its entries on the cluster while the service's warm workers hold every CPU
+    (its exports, of one CPU each, waited for them to stop: up to FARM_IDLE_S, or behind other
+    jobs), then makes one job per settings group. Every job of the run is handed over before the
+    run waits for any, at priority nightly, so they share the service's workers (they used to run
+    one after the other, the workers draining at each group's tail). Judged by the order of the
+    run's own calls, which go to the real service: the units here take a fraction of a second."""
     from farm import nightly
 
+    hogs = [_HoldsACpu.remote() for _ in range(int(ray.available_resources().get("CPU", 0)))]
+    ray.get([h.ready.remote() for h in hogs], timeout=60)
+    assert ray.available_resources().get("CPU", 0) < 1  # every CPU of the cluster is held now
     calls = []
 
     def handing_over(spec, *args, **kwargs):
+        for hog in hogs:  # exported: the service may need a CPU back for a worker of the jobs' class
+            ray.kill(hog)
+        hogs.clear()
         calls.append(("submit", spec.name, kwargs.get("wait", True)))
         return client.submit(spec, *args, **kwargs)
 
     monkeypatch.setattr(nightly, "submit", handing_over)
-    run = nightly.run_suite(str(Path(__file__).parent / "fixtures" / "two_groups_zoo.py"), service.store(),
-                            address=ray_cluster.address, follow=lambda handle: calls.append(("follow", handle.job_id)))
-    assert [c[0] for c in calls] == ["submit", "submit", "follow", "follow"], calls
-    assert [c[2] for c in calls[:2]] == [False, False], calls
+    monkeypatch.setattr(nightly, "EXPORT_TIMEOUT_S", 120.0)  # (waiting for a CPU, an export fails by then)
+    try:
+        run = nightly.run_suite(str(Path(__file__).parent / "fixtures" / "two_groups_zoo.py"), service.store(),
+                                address=ray_cluster.address,
+                                follow=lambda handle: calls.append(("follow", handle.job_id)))
+    finally:
+        for hog in hogs:
+            ray.kill(hog)
     assert sorted((r["model"], r["status"]) for r in run.rows) == [("deep", "compiled"), ("loose", "compiled"),
                                                                   ("wide", "compiled")], run.rows
+    assert [c[0] for c in calls] == ["submit", "submit", "follow", "follow"], calls
+    assert [c[2] for c in calls[:2]] == [False, False], calls
     jobs = {r["model"]: r["job_id"] for r in run.rows}
     assert jobs["wide"] == jobs["deep"] != jobs["loose"]  # two jobs, one per settings group
     assert [c[1] for c in calls[2:]] == [jobs["wide"], jobs["loose"]]
