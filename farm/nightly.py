@@ -20,7 +20,7 @@ from farm.regressions import Regression, find_regressions
 from farm.service_client import find
 from farm.zoo import ZooModel, export_bytes, load_suite
 from scheduler.jobs import Events, NoEvents
-from scheduler.ray_pool import TaskFailed, run_tasks
+from scheduler.ray_tasks import TaskFailed, run_tasks
 from scheduler.ray_session import ray_session
 from scheduler.spec import parse_job
 from storage import Store

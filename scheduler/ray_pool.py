@@ -1,5 +1,6 @@
-"""Running units on Ray: the only module that places work on Ray (the actors it starts run
-scheduler/ray_actors.py and scheduler/gang_actor.py).
+"""Running units on Ray: the only module that places actors on Ray (they run
+scheduler/ray_actors.py and scheduler/gang_actor.py; short tasks, such as a zoo suite's exports,
+are scheduler/ray_tasks.py's).
 
 The worker pool (scheduler/pool.py) runs on Ray through `RayCluster`: one `CompileWorker`
 actor per slot, asking Ray for what its backend's `Placement` says (CPUs, a share of a GPU,
@@ -9,9 +10,6 @@ Joining or starting a cluster is `ray_session`'s.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -28,13 +26,10 @@ from scheduler.ray_actors import CompileWorker
 from scheduler.ray_session import NAMESPACE
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
-from workers.errors import summary
-from workers.frozen_heap import heap_frozen_after
 from workers.sandbox import tempdirs
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
-__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "TaskFailed",
-           "close_ranks", "run_tasks"]
+__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "close_ranks"]
 
 CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
 
@@ -277,52 +272,3 @@ def _stop(actors: list, close: bool = True) -> None:
     for actor in actors:
         ray.kill(actor, no_restart=True)
     tempdirs.sweep_orphans()
-
-
-def run_tasks(fn: Callable[..., Any], calls: list[tuple], name: str, timeout_s: float,
-              beside: bool = False) -> list[Any]:
-    """fn(*call) for every call, as named Ray tasks of one CPU each, spread over the cluster;
-    the results in order, a call that raised, died or ran past timeout_s as a TaskFailed. fn is
-    a module-level function: the task imports it by name. `beside`: on a cluster whose CPUs a farm
-    service's warm workers hold, tasks that take none of Ray's CPUs, spread over the nodes that
-    offer a farm device class (as burst workers run; not on a head kept for scheduling); where
-    no node offers one, tasks of one CPU as without it."""
-    if "<" in fn.__qualname__:
-        raise ValueError(f"run_tasks imports fn by name on the worker; {fn.__module__}.{fn.__qualname__} "
-                         "is a lambda or a local function: define it at a module's top level")
-    remote = ray.remote(num_cpus=1, max_retries=1)(_imported_then_called)
-    farm_nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and any(r.startswith("farm_") for r in n["Resources"])
-                  ] if beside else []
-    where = [{"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-             for node in farm_nodes] or [{}]
-    named = f"{fn.__module__}:{fn.__qualname__}"
-    refs = [remote.options(name=f"{name} {i + 1}/{len(calls)}", **where[i % len(where)]).remote(named, *call)
-            for i, call in enumerate(calls)]
-    deadline, results = time.monotonic() + timeout_s, []
-    for ref in refs:
-        try:
-            results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-        except RayTaskError as e:  # what the task raised, its traceback kept by Ray
-            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
-            results.append(TaskFailed(f"{type(cause).__name__}: {summary(cause)}"))
-        except (RayActorError, GetTimeoutError) as e:
-            ray.cancel(ref, force=True)
-            results.append(TaskFailed(f"{type(e).__name__}: the task died or ran past {timeout_s:g}s"))
-    return results
-
-
-def _imported_then_called(ref: str, *call: Any) -> Any:
-    """On the task's worker: `module:function` imported by name, the first time with its heap
-    frozen after (a zoo suite imports torch there: workers/frozen_heap.py), then called. Ray would
-    import fn's module as it unpickled fn, before any code of ours could run."""
-    module, _, qualname = ref.partition(":")
-    if module not in sys.modules:
-        with heap_frozen_after():
-            importlib.import_module(module)
-    return functools.reduce(getattr, qualname.split("."), sys.modules[module])(*call)
-
-
-@dataclass(frozen=True)
-class TaskFailed:
-    """A task of run_tasks that did not return: why."""
-    error: str

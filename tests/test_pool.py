@@ -212,7 +212,7 @@ def test_an_isa_no_worker_covers_still_gets_its_own_workers():
 def test_run_tasks_refuses_a_function_its_workers_cannot_import_by_name():
     """A Ray task imports its function by `module:name` (with the heap frozen after the import):
     a lambda or a local function is refused before anything is placed, saying what to do."""
-    from scheduler.ray_pool import run_tasks
+    from scheduler.ray_tasks import run_tasks
 
     def local() -> None:
         pass
