@@ -179,3 +179,20 @@ def test_workers_that_die_while_starting_fail_their_units_after_bounded_restarts
     for r in outcome.results:
         assert "farm_cpu_avx2 died while starting 3 times in a row" in r.error, r.error
         assert "ValueError: FARM_CACHE_GB='lots' is not a number of gigabytes" in r.error, r.error
+
+
+def test_tasks_beside_a_services_workers_run_on_farm_nodes_no_more_at_once_than_their_cpus(ray_cluster):
+    """Tasks that take none of Ray's CPUs (a zoo run's exports beside a farm service's warm
+    workers: scheduler/ray_tasks.py) would all start at once, however many. On the test cluster
+    (farm nodes of 2 and 1 CPUs) five of them run at most three at a time, and each reply comes
+    back in its call's place; a task past the deadline, or never started by then, fails saying so."""
+    from scheduler.ray_tasks import TaskFailed, run_tasks
+
+    probe = ["sh", "-c", "date +%s.%N; sleep 1; date +%s.%N; echo $0"]  # $0: the call's number
+    replies = run_tasks(subprocess.check_output, [([*probe, str(i)],) for i in range(5)], "probe", 120, beside=True)
+    spans = [tuple(map(float, r.split()[:2])) for r in replies]
+    assert [r.split()[2].decode() for r in replies] == [str(i) for i in range(5)]  # in the calls' order
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 3, spans  # one at a time per CPU
+    late = run_tasks(subprocess.check_output, [(["sleep", "30"],)] * 4, "late", 3.0, beside=True)
+    assert [r.error for r in late] == ["GetTimeoutError: the task ran past 3s"] * 3 + \
+        ["the task did not start within 3s"] and all(isinstance(r, TaskFailed) for r in late)
