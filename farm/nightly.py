@@ -68,7 +68,10 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
     base = {"run_id": run_id, "run_at": run_at, "suite": suite_name}
     rows: list[dict[str, Any]] = []
     with ray_session(address), tempfile.TemporaryDirectory(prefix="farm-zoo-") as tmp:
-        served = find(address, store) is not None  # a farm service's warm workers may hold every CPU
+        service = find(address, store)
+        if service is not None:
+            service.store(store)  # a store that is not the service's is refused now, before any export
+        served = service is not None  # (a farm service's warm workers may hold every CPU)
         exported = _export(suite_ref, entries, Path(tmp), beside=served)
         for e in exported:
             if e.path is None:

@@ -18,6 +18,7 @@ from farm.service_client import ServiceRefused, connect
 from scheduler.ray_service import SERVICE, ServiceError, call, find_service, start_service, stop_service
 from scheduler.service_config import CacheSecrets, CacheSettings, ServiceConfig
 from scheduler.spec import SpecError
+from storage import store_from_uri
 from storage.results import read_results
 from storage.service_jobs import ServiceJobs
 from tests.gang_models import replicas
@@ -308,6 +309,12 @@ def test_bad_requests_are_refused_and_change_nothing(service, ray_cluster, zoo_d
     assert "path on the submitting machine" in said["error"]
     with pytest.raises(ServiceRefused, match="keeps its artifacts in"):
         client.submit(_job(zoo_dir, ["mlp"], "bad"), address=ray_cluster.address, store=str(tmp_path / "other"))
+    from farm import nightly  # a nightly into another store: refused before it exports anything
+
+    monkeypatch.setattr(nightly, "run_tasks", lambda *args, **kwargs: pytest.fail("exported for a refused run"))
+    with pytest.raises(ServiceRefused, match="keeps its artifacts in"):
+        nightly.run_suite(str(Path(__file__).parent / "fixtures" / "two_groups_zoo.py"),
+                          store_from_uri(str(tmp_path / "other")), address=ray_cluster.address)
     assert [j["job_id"] for j in service.jobs()] == before
     with pytest.raises(ServiceError, match="already runs"):
         start_service(str(tmp_path / "second"), ServiceConfig())
