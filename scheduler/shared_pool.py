@@ -14,20 +14,15 @@ and before a unit of another job): no child serves two jobs, and the next one is
 A person's unit must not wait for a nightly's to end: beside a CPU class's workers the pool keeps
 burst workers for interactive units (scheduler/burst.py).
 
-A gang needs whole placement groups: `hold(cpus, slots)` lowers the pool's size while it places
-and runs, and the number of workers of the gang's device class (the slots of it the gang's
-bundles take), so workers over either stop as soon as their unit ends (an idle one at once) and
-Ray can reserve the gang's bundles: a gang of x86-64 ranks needs the x86-64 node's slots, whatever
-CPUs other nodes have. Other jobs keep the workers that are left, and those that left start
-again once the gang is done (warm for the next job, then idle as any). A gang's ranks stay warm
-after it (`gang_ranks`, scheduler/gang_warm.py) for later gangs of the same shape, holding no CPU
-of Ray's while idle, and leave after `idle_s` as workers do.
+A gang needs whole placement groups: the pool lends it CPUs and its device class's slots while
+it places and runs (scheduler/gang_hold.py). A gang's ranks stay warm after it (`gang_ranks`,
+scheduler/gang_warm.py) for later gangs of the same shape, holding no CPU of Ray's while idle,
+and leave after `idle_s` as workers do.
 The cluster's calls go through `scheduler.pool.Cluster` (Ray's: scheduler/ray_pool.py).
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import queue
 import threading
@@ -39,6 +34,7 @@ from ray.exceptions import RayTaskError
 
 from scheduler.burst import BurstWorkers
 from scheduler.fair import NICENESS, FairShare
+from scheduler.gang_hold import GangHolds
 from scheduler.gang_warm import WarmRanks
 from scheduler import pool
 from scheduler.pool import DIED, POLL_S, WORKER_GRACE_S, Cluster, _failed, _route, _worker_error, unoffered
@@ -87,7 +83,7 @@ class _Job:
     total: int = 0
 
 
-class SharedPool(BurstWorkers):
+class SharedPool(BurstWorkers, GangHolds):
     """Units of many jobs in; each job's events and results out through its own outbox."""
 
     slot_class = _Slot  # what BurstWorkers starts its slots as
@@ -101,7 +97,7 @@ class SharedPool(BurstWorkers):
         self.queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._placements: dict[str, tuple[Placement, str, UnitLimits]] = {}
         self._covers: dict[str, set[str]] = {}  # device class → the classes its workers also build
-        self._held = 0  # CPUs lent to gangs
+        self._held = 0  # CPUs lent to gangs (scheduler/gang_hold.py)
         self._held_slots: collections.Counter[str] = collections.Counter()  # device class → its slots lent to gangs
         self._lent: list[str] = []  # classes of workers that left for a gang: started again, warm, after it
         self._offered: dict[str, float] = cluster.offered()
@@ -221,22 +217,6 @@ class SharedPool(BurstWorkers):
                     ended += 1
             return ended
 
-    @contextlib.contextmanager
-    def hold(self, cpus: int, slots: dict[str, float] | None = None) -> Iterator[None]:
-        """Lend `cpus` of the pool's CPUs, and `slots` of device classes (class → how many of its
-        slots the gang's bundles take), to a gang while it runs (see the module's doc)."""
-        slots = collections.Counter(slots or {})
-        with self._lock:
-            self._held += cpus
-            self._held_slots.update(slots)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._held -= cpus
-                self._held_slots.subtract(slots)
-                self._held_slots = +self._held_slots  # (classes lent no more drop out)
-
     def load(self) -> dict[str, Any]:
         """Per job: priority, queued, running, done; workers busy, idle and starting."""
         with self._lock:
@@ -279,10 +259,6 @@ class SharedPool(BurstWorkers):
         job.done += 1
         job.outbox.put(("finished", p.unit, result))
 
-    def _capacity(self) -> int:
-        offered = int(self._offered.get("CPU", 1))
-        return max(0, min(self.config.max_workers or offered, offered) - self._held)
-
     def _start(self, slot: _Slot, resource: str, lowers: bool = False) -> None:
         placement, device, limits = self._placements[resource]
         slot.resource, slot.generation = resource, slot.generation + 1
@@ -301,29 +277,6 @@ class SharedPool(BurstWorkers):
         self.cluster.stop([slot.actor])
         if for_gang:
             self._lent.append(slot.resource)
-
-    def _owed(self) -> str | None:
-        """The class of a worker that left for a gang, once the pool has room for it again (and a
-        gang holds no slot of that class it would take)."""
-        workers = collections.Counter(s.resource for s in self.slots if not s.burst)
-        offer = self._unheld_offer()
-        back = next((c for c in self._lent if workers[c] < int(offer.get(c, 0))), None)
-        if back is not None:
-            self._lent.remove(back)
-        return back
-
-    def _unheld_offer(self) -> dict[str, float]:
-        """What the cluster offers, less the device classes' slots lent to gangs."""
-        return {r: n - self._held_slots.get(r, 0) for r, n in self._offered.items()}
-
-    def _over_held_slots(self, workers: list[_Slot]) -> list[_Slot]:
-        """Workers of a class beyond the slots of it that gangs leave: busy ones stay first (they
-        leave as their unit ends), so idle ones go at once."""
-        offer, over = self._unheld_offer(), []
-        for resource in self._held_slots:
-            mine = sorted((s for s in workers if s.resource == resource), key=lambda s: s.future is None)
-            over += mine[max(0, int(offer.get(resource, 0))):]
-        return over
 
     def _take(self, slot: _Slot, only: str | None = None) -> _Pending | None:
         """The slot's next unit: of the job fair share picks (of priority `only`) among those with
@@ -369,17 +322,7 @@ class SharedPool(BurstWorkers):
         self._unofferable()
         capacity = self._capacity()
         workers = [s for s in self.slots if not s.burst]
-        over = self._over_held_slots(workers)  # their class's slots are a gang's now
-        staying = [s for s in workers if not s.leaving and s not in over]
-        for slot in [s for s in workers if s.leaving and s not in over][: max(0, capacity - len(staying))]:
-            slot.leaving = False  # the pool grew again (a gang ended) before its unit did
-            staying.append(slot)
-        leave = over + sorted(staying, key=lambda s: s.future is not None)[: max(0, len(staying) - capacity)]
-        for slot in leave:
-            if slot.future is None:  # idle ones leave first, at once; busy ones when their unit ends
-                self._retire(slot, for_gang=True)
-            else:
-                slot.leaving = True
+        self._make_room_for_gangs(workers, capacity)
         for slot in [s for s in workers if s.free]:
             p = self._take(slot)
             if p is None:
