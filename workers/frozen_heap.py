@@ -1,6 +1,6 @@
 """Heavy imports (torch's, Dynamo's, Inductor's) with the cyclic GC paused while they run and
 their heap frozen after, for the processes of ours that import torch to serve work: a sandbox's
-zygote (workers/sandbox/zygote.py) and a Ray task's worker (scheduler/ray_pool.py, run_tasks)."""
+zygote (workers/sandbox/zygote.py) and a Ray task's worker (scheduler/ray_tasks.py, run_tasks)."""
 from __future__ import annotations
 
 import contextlib

@@ -327,9 +327,9 @@ class Sandbox:
         try:
             ready = read_reply(self._replies, self._spawned + STARTUP_S)
         except (SandboxFailed, OSError) as e:
-            output = "".join(_read_text(log) for log in (self._zygote_log, self._startup_log) if log)
-            stalled = self._where_the_start_stalled(_read_text(self._zygote_log) if self._zygote_log else "",
-                                                    closed=isinstance(e, OSError))
+            zygote = _read_text(self._zygote_log) if self._zygote_log else ""
+            output = zygote + (_read_text(self._startup_log) if self._startup_log else "")
+            stalled = self._where_the_start_stalled(zygote, closed=isinstance(e, OSError))
             self._kill()  # (which removes the child's HOME, its start-up log with it)
             raise SandboxFailed(f"the sandbox did not start ({e}{stalled})", output, retryable=True) from None
         now = time.monotonic()
