@@ -177,7 +177,8 @@ def test_what_inductor_says_of_the_host_is_asked_again_for_another_torch_or_a_da
 
     monkeypatch.setattr(inductor_host, "shared_cache_dir", lambda: str(tmp_path))
     asked = []
-    monkeypatch.setattr(inductor_host, "_ask_inductor", lambda: asked.append(1) or {"vec_isas": ["avx2"], "can_pin": True})
+    monkeypatch.setattr(inductor_host, "_ask_inductor",
+                        lambda: asked.append(1) or {"vec_isas": ["avx2"], "vec_isa_extras": {"avx2": {}}, "can_pin": True})
 
     def ask() -> dict:
         inductor_host.inductor_host.cache_clear()
@@ -189,8 +190,53 @@ def test_what_inductor_says_of_the_host_is_asked_again_for_another_torch_or_a_da
     assert ask()["vec_isas"] == ["avx2"] and len(asked) == 2
     record.write_text("{")  # torn
     assert ask()["vec_isas"] == ["avx2"] and len(asked) == 3
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "vec_isa_extras"}))
+    assert ask()["vec_isa_extras"] == {"avx2": {}} and len(asked) == 4  # from before the extras were kept
     monkeypatch.setattr(inductor_host, "cpu_identity", lambda: {"model": "another CPU", "flags": "0"})
-    assert ask()["can_pin"] is True and len(asked) == 4 and len(list(tmp_path.glob("farm-host-checks/*.json"))) == 2
+    assert ask()["can_pin"] is True and len(asked) == 5 and len(list(tmp_path.glob("farm-host-checks/*.json"))) == 2
+
+
+@pytest.fixture
+def inductors_isas():
+    """Inductor's ISA objects (one per process), whatever a test sets on them put back after."""
+    from torch._inductor import cpu_vec_isa
+
+    from workers.backends.inductor_host import ISA_EXTRAS
+
+    kept = [(isa, {name: isa.__dict__[name] for name in ISA_EXTRAS if name in isa.__dict__})
+            for isa in cpu_vec_isa.supported_vec_isa_list]
+    yield {str(isa): isa for isa in cpu_vec_isa.supported_vec_isa_list}
+    for isa, attrs in kept:
+        for name in ISA_EXTRAS:
+            isa.__dict__.pop(name, None)
+        isa.__dict__.update(attrs)
+        for name in ISA_EXTRAS:  # and Inductor's cached getters of them
+            getattr(getattr(type(isa), name.lstrip("_"), None), "cache_clear", lambda: None)()
+
+
+def test_isas_from_the_hosts_record_build_as_inductors_own_check_left_them_and_a_pinned_one_with_its_own_flags(
+        monkeypatch, tmp_path, inductors_isas):
+    """On a host with avx512_bf16 (a Sapphire Rapids), Inductor's check adds -mavx512bf16 to AVX-512's
+    flags, and so to every kernel's path. A process that took the ISAs from the host's record built
+    without it, and missed every kernel the host's first process had built and shipped."""
+    from workers.backends import cpu_isa, inductor_host
+
+    avx512 = inductors_isas["avx512"]
+    monkeypatch.setattr(inductor_host, "shared_cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(inductor_host, "_ask_inductor", lambda: {
+        "vec_isas": ["avx2", "avx512"], "can_pin": True,
+        "vec_isa_extras": {"avx2": {}, "avx512": {"_is_avx512_bf16_supported": True}}})
+    inductor_host.inductor_host.cache_clear()
+    monkeypatch.setattr(cpu_isa, "_recorded_vec_isas", lambda: frozenset(inductor_host.inductor_host()["vec_isas"]))
+    try:
+        assert avx512.is_avx512_bf16_supported() is False  # cached, as Inductor's codegen asks it
+        assert [str(i) for i in cpu_isa._host_vec_isa_list()] == ["avx512", "avx2"]  # Inductor's order
+        assert "-mavx512bf16" in avx512.build_arch_flags().split() and avx512.is_avx512_bf16_supported() is True
+        # pinned, AVX-512 is x86-64-v4's: its kernels run on every AVX-512 host, this one's extras or not
+        assert cpu_isa._one_vec_isa("avx512") == [avx512]
+        assert "-mavx512bf16" not in avx512.build_arch_flags().split() and avx512.is_avx512_bf16_supported() is False
+    finally:
+        inductor_host.inductor_host.cache_clear()
 
 
 FIRST_LOWERING = """

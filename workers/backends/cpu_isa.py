@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from workers.backends import cxx
 from workers.backends.base import LoweringError, Placement
 from workers.backends.inductor_host import can_pin as _can_pin
-from workers.backends.inductor_host import cpu_model, inductor_host, inductor_host_known
+from workers.backends.inductor_host import ISA_EXTRAS, cpu_model, inductor_host, inductor_host_known
 from workers.unit import Target
 
 if TYPE_CHECKING:
@@ -81,10 +81,14 @@ def _one_vec_isa(name: str, probe: bool = True) -> list[Any]:
     cpu_vec_isa = _cpu_vec_isa()
     known = _recorded_vec_isas()
     if known is not None:
-        return [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known]
-    flags = _cpu_flags()
-    return [i for i in cpu_vec_isa.supported_vec_isa_list
-            if str(i) == name and all(f in flags for f in name.split()) and (not probe or i)]
+        chosen = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known]
+    else:
+        flags = _cpu_flags()
+        chosen = [i for i in cpu_vec_isa.supported_vec_isa_list
+                  if str(i) == name and all(f in flags for f in name.split()) and (not probe or i)]
+    # A pinned ISA builds with its own flags alone, on any host: with a host's extras (avx512_bf16
+    # on a Sapphire Rapids), its kernels would not run on every host of the class it names
+    return _with_extras(chosen, {})
 
 
 @functools.cache
@@ -130,8 +134,23 @@ def vec_isas_from_host_record() -> contextlib.AbstractContextManager[None]:
 
 
 def _host_vec_isa_list() -> list[Any]:
-    names = host_vec_isas()
-    return [i for i in _cpu_vec_isa().supported_vec_isa_list if str(i) in names]  # Inductor's order
+    record = inductor_host()
+    chosen = [i for i in _cpu_vec_isa().supported_vec_isa_list if str(i) in record["vec_isas"]]  # Inductor's order
+    return _with_extras(chosen, record["vec_isa_extras"])
+
+
+def _with_extras(isas: list[Any], extras: dict[str, dict[str, bool]]) -> list[Any]:
+    """`isas` (Inductor's ISA objects), each with what Inductor found out about it beyond its name
+    set as `extras` says (by the ISA's name; what it does not name is off), as Inductor's own check
+    would have left them: they decide its build flags (inductor_host.py, ISA_EXTRAS)."""
+    for isa in isas:
+        for name in ISA_EXTRAS:
+            if hasattr(isa, name):
+                setattr(isa, name, extras.get(str(isa), {}).get(name, False))
+                getter = getattr(type(isa), name.lstrip("_"), None)  # is_avx512_bf16_supported, which Inductor caches
+                if callable(getattr(getter, "cache_clear", None)):
+                    getter.cache_clear()
+    return isas
 
 
 def vec_isas_when_asked(vec_isa: str | None, within: Callable[[], contextlib.AbstractContextManager[None]],

@@ -105,12 +105,29 @@ def can_pin() -> bool:
     return hasattr(config.cpp, "march")  # `cpp.march` is newer than torch 2.11
 
 
+# What Inductor's check finds out about an ISA beyond its name. It keeps each on its ISA object
+# (one per process) and adds it to that ISA's build flags (`-mavx512bf16`, `-mamx-fp16`) and so to
+# every kernel's path: a process that takes the ISAs from the record must set them as the check
+# would have, or its kernels miss those built by the host's first process (which ran the check).
+ISA_EXTRAS = ("_is_avx512_bf16_supported", "_is_amx_fp16_supported")
+
+
+def isa_extras(isa: Any) -> dict[str, bool]:
+    """What Inductor found out about `isa` (one of its ISA objects) beyond its name."""
+    return {name: bool(getattr(isa, name)) for name in ISA_EXTRAS if hasattr(isa, name)}
+
+
 def _ask_inductor() -> dict[str, Any]:
     from torch._inductor import cpu_vec_isa
 
-    return {"vec_isas": sorted(str(i) for i in cpu_vec_isa.valid_vec_isa_list()), "can_pin": can_pin()}
+    valid = cpu_vec_isa.valid_vec_isa_list()  # builds and loads a probe per ISA, and per extra
+    return {"vec_isas": sorted(str(i) for i in valid), "vec_isa_extras": {str(i): isa_extras(i) for i in valid},
+            "can_pin": can_pin()}
 
 
 def _valid(record: dict[str, Any]) -> bool:
+    extras = record.get("vec_isa_extras")
     return (isinstance(record.get("can_pin"), bool) and isinstance(record.get("vec_isas"), list)
-            and all(isinstance(i, str) and len(i) < 100 for i in record["vec_isas"]))
+            and all(isinstance(i, str) and len(i) < 100 for i in record["vec_isas"])
+            and isinstance(extras, dict)  # a record from before extras were kept is asked again
+            and all(isinstance(e, dict) and all(isinstance(v, bool) for v in e.values()) for e in extras.values()))
