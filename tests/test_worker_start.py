@@ -229,7 +229,9 @@ def test_isas_from_the_hosts_record_build_as_inductors_own_check_left_them_and_a
     inductor_host.inductor_host.cache_clear()
     monkeypatch.setattr(cpu_isa, "_recorded_vec_isas", lambda: frozenset(inductor_host.inductor_host()["vec_isas"]))
     try:
-        assert avx512.is_avx512_bf16_supported() is False  # cached, as Inductor's codegen asks it
+        avx512._is_avx512_bf16_supported = False  # as before Inductor's check ran in this process
+        type(avx512).is_avx512_bf16_supported.cache_clear()
+        assert avx512.is_avx512_bf16_supported() is False  # and cached so, as Inductor's codegen asks it
         assert [str(i) for i in cpu_isa._host_vec_isa_list()] == ["avx512", "avx2"]  # Inductor's order
         assert "-mavx512bf16" in avx512.build_arch_flags().split() and avx512.is_avx512_bf16_supported() is True
         # pinned, AVX-512 is x86-64-v4's: its kernels run on every AVX-512 host, this one's extras or not
