@@ -248,6 +248,14 @@ def test_a_consumer_with_another_build_command_is_refused_before_it_compiles(tra
     with pytest.raises(LoweringError, match="another command") as e:
         resolve(target).load(other, target, ep)
     assert "clang++-17" in str(e.value) and "compile every kernel again" in str(e.value)
+    assert "same compiler" in str(e.value)
+
+    def other_cpu(facts):  # built where Inductor found avx512_bf16, which pinned builds leave out
+        facts["build_command"].append("-mavx512bf16")
+
+    with pytest.raises(LoweringError, match="another command") as e:
+        resolve(target).load(_with_facts(artifact, tmp_path / "other-cpu.tar", other_cpu), target, ep)
+    assert "-mavx512bf16" in str(e.value) and "other features in this CPU" in str(e.value)
 
 
 def test_warm_start_reports_a_miss_and_what_to_run(trained, zoo_dir):

@@ -104,10 +104,14 @@ def build_problem(recorded: list[str]) -> str | None:
         return None
     only_theirs = [t for t in recorded if t not in ours][:6]
     only_ours = [t for t in ours if t not in recorded][:6]
+    if all(t.startswith("-m") for t in only_theirs + only_ours):  # -mavx512bf16: what Inductor found of the CPU
+        what = ("Inductor found other features in this CPU than in the one they were built on; pin an ISA where "
+                "they are built and here, or compile on a worker with this CPU")
+    else:
+        what = "use the same compiler and torch install path as the farm's workers, or compile on a worker like this machine"
     return ("this process builds Inductor's CPU kernels with another command than the farm worker did, so it would "
             f"compile every kernel again (the farm's has {only_theirs or 'nothing more'}, this one has "
-            f"{only_ours or 'nothing more'}); use the same compiler and torch install path as the farm's workers, "
-            "or compile on a worker like this machine")
+            f"{only_ours or 'nothing more'}); {what}")
 
 
 def relative(path: str) -> str | None:
