@@ -104,7 +104,8 @@ def build_problem(recorded: list[str]) -> str | None:
         return None
     only_theirs = [t for t in recorded if t not in ours][:6]
     only_ours = [t for t in ours if t not in recorded][:6]
-    if all(t.startswith("-m") for t in only_theirs + only_ours):  # -mavx512bf16: what Inductor found of the CPU
+    differ = only_theirs + only_ours  # none: the same flags in another order
+    if differ and all(t.startswith("-m") for t in differ):  # -mavx512bf16: what Inductor found of the CPU
         what = ("Inductor found other features in this CPU than in the one they were built on; pin an ISA where "
                 "they are built and here, or compile on a worker with this CPU")
     else:
