@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from storage import resp
 from storage.backend import StoreError
 from storage.cache_tokens import User, Users
+from storage.local import LocalBackend
 from storage.remote_cache import KERNEL_PATH, PROBE_PATH, CacheEntries, save_stats
 from storage.store import BlobRef
 
@@ -215,17 +216,17 @@ class CacheServer:
         if command == b"CLIENT" and len(args) > 1 and args[1].upper() in (b"SETNAME", b"SETINFO"):
             return resp.simple("OK"), False
         if command == b"GET" and len(args) == 2:
-            value = await self._store(self.entries.get, args[1])
+            value = await self._read(self.entries.get, args[1])
             return resp.bulk(value, session.proto), False
         if command == b"SET" and len(args) >= 3:
             return await self._set(args[1:], session)
         if command == b"FARM.PUT" and len(args) >= 4 and len(args) % 2 == 0:  # key value facts (name data)...
             return await self._farm_put(args[1:], session)
         if command == b"FARM.ENTRY" and len(args) == 2:  # use_farm_cache: the signed index document too
-            found = await self._store(self.entries.entry, args[1])
+            found = await self._read(self.entries.entry, args[1])
             if found is None:
                 return resp.bulk(None, session.proto), False
-            files = await self._store(self.entries.files, found[1])
+            files = await self._read(self.entries.files, found[1])
             named = [resp.array([resp.bulk(n.encode()), resp.bulk(d)]) for n, d in sorted(files.items())]
             return resp.array([resp.bulk(found[0]), resp.bulk(found[2]), resp.array(named)]), False
         if command == b"FARM.WHOAMI" and len(args) == 1:  # use_farm_cache(write=True) asks before it writes
@@ -343,6 +344,15 @@ class CacheServer:
 
     async def _store(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _read(self, fn, *args):
+        """A read of the store: on a local store, here on the loop. It takes about 0.1 ms from the
+        page cache, less than handing it to a thread and back, which held one client's 100 KiB
+        GETs to 1,800/s on its own (2,600/s inline; bench/remote_cache.py). Other stores' reads
+        (S3) and every write go to the threads."""
+        if isinstance(self.entries.store.backend, LocalBackend):
+            return fn(*args)
+        return await self._store(fn, *args)
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
