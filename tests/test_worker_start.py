@@ -235,7 +235,7 @@ def test_isas_from_the_hosts_record_build_as_inductors_own_check_left_them_and_a
         assert [str(i) for i in cpu_isa._host_vec_isa_list()] == ["avx512", "avx2"]  # Inductor's order
         assert "-mavx512bf16" in avx512.build_arch_flags().split() and avx512.is_avx512_bf16_supported() is True
         # pinned, AVX-512 is x86-64-v4's: its kernels run on every AVX-512 host, this one's extras or not
-        assert cpu_isa._one_vec_isa("avx512") == [avx512]
+        assert cpu_isa._pinned("avx512") == [avx512]
         assert "-mavx512bf16" not in avx512.build_arch_flags().split() and avx512.is_avx512_bf16_supported() is False
     finally:
         inductor_host.inductor_host.cache_clear()

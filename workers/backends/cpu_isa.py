@@ -81,14 +81,17 @@ def _one_vec_isa(name: str, probe: bool = True) -> list[Any]:
     cpu_vec_isa = _cpu_vec_isa()
     known = _recorded_vec_isas()
     if known is not None:
-        chosen = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known]
-    else:
-        flags = _cpu_flags()
-        chosen = [i for i in cpu_vec_isa.supported_vec_isa_list
-                  if str(i) == name and all(f in flags for f in name.split()) and (not probe or i)]
-    # A pinned ISA builds with its own flags alone, on any host: with a host's extras (avx512_bf16
-    # on a Sapphire Rapids), its kernels would not run on every host of the class it names
-    return _with_extras(chosen, {})
+        return [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name and name in known]
+    flags = _cpu_flags()
+    return [i for i in cpu_vec_isa.supported_vec_isa_list
+            if str(i) == name and all(f in flags for f in name.split()) and (not probe or i)]
+
+
+def _pinned(name: str, probe: bool = True) -> list[Any]:
+    """_one_vec_isa(name), to compile with: a pinned ISA builds with its own flags alone, on any
+    host; with a host's extras (avx512_bf16 on a Sapphire Rapids), its kernels would not run on
+    every host of the class it names."""
+    return _with_extras(_one_vec_isa(name, probe), {})
 
 
 @functools.cache
@@ -122,7 +125,7 @@ def _inductor_sees(chosen: list[Any]) -> contextlib.AbstractContextManager[None]
 def only_vec_isa(name: str, probe: bool = True) -> contextlib.AbstractContextManager[None]:
     """Make Inductor see exactly one vector ISA while it compiles (one compile per process); with
     probe=False, for loading what was built elsewhere (see _one_vec_isa)."""
-    return _inductor_sees(_one_vec_isa(name, probe) if name else [])
+    return _inductor_sees(_pinned(name, probe) if name else [])
 
 
 def vec_isas_from_host_record() -> contextlib.AbstractContextManager[None]:
@@ -163,7 +166,7 @@ def vec_isas_when_asked(vec_isa: str | None, within: Callable[[], contextlib.Abs
         with within():
             if vec_isa is None:
                 return _host_vec_isa_list()
-            return _one_vec_isa(vec_isa) if vec_isa else []
+            return _pinned(vec_isa) if vec_isa else []
 
     return _inductor_asks(answer)
 
