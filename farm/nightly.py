@@ -107,7 +107,7 @@ def _compiled(jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, a
 def _export(suite_ref: str, entries: list[ZooModel], dest: Path, beside: bool) -> list[Exported]:
     """Every entry's program, exported on a worker; entries whose optional packages are missing here
     are skipped. `beside`: beside a farm service's workers, which may hold every CPU while warm
-    (scheduler.ray_pool.run_tasks); the export would otherwise wait for them to stop."""
+    (scheduler.ray_tasks.run_tasks); the export would otherwise wait for them to stop."""
     out: dict[str, Exported] = {}
     wanted = []
     for entry in entries:
