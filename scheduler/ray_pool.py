@@ -131,7 +131,8 @@ def gang_bundle(gang: Gang) -> tuple[dict[str, float], str] | str:
     if unreadable:
         return "ranks that cannot take part, so the gang was not placed: " + "; ".join(unreadable)
     try:
-        placement = resolve(gang.ranks[0].target).placement(gang.ranks[0].target)
+        backend = resolve(gang.ranks[0].target)
+        placement = backend.placement(gang.ranks[0].target)
     except LoweringError as e:
         return str(e)
     resource = placement.device_class
@@ -143,7 +144,7 @@ def gang_bundle(gang: Gang) -> tuple[dict[str, float], str] | str:
                 f"that can with ray start --resources \"$(farm resources)\"{advice}")
     share = round(min(1.0, slots / gang.world_size), 4)
     bundle = {"CPU": share, resource: share} | ({"GPU": placement.gpus} if placement.gpus else {})
-    return bundle, resolve(gang.ranks[0].target).device
+    return bundle, backend.device
 
 
 class GangRunner:
