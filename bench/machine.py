@@ -1,7 +1,9 @@
-"""What the whole machine did, for benchmarks that compare a side's work with another's."""
+"""What the whole machine did, for benchmarks that compare a side's work with another's; and a free
+loopback port for a server a benchmark starts."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 
@@ -12,3 +14,10 @@ def busy_core_seconds() -> float:
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle, iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on at 127.0.0.1 now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.trials import in_turn  # noqa: E402  (the repo's root is on sys.path now)
+from bench.machine import free_port  # noqa: E402  (the repo's root is on sys.path now)
+from bench.trials import in_turn  # noqa: E402
 
 STEP = """
 import json, os, sys, time
@@ -99,12 +99,6 @@ print("RESULT " + json.dumps({"seconds": seconds, "kernels_built": len(built), "
                               "autograd_hit": counters["aot_autograd"]["autograd_cache_hit"],
                               "farm": farm.stats() if farm else None}))
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args: argparse.Namespace, root: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -207,7 +201,7 @@ def _bench(args: argparse.Namespace, root: Path) -> None:
     _run(args, root, **_stock(url["stock"]))  # fills
     stock_pairs: list[tuple[dict, dict]] = []  # (farm, redis), each a fresh process on the filled cache
     if shutil.which("redis-server"):
-        port = _free_port()
+        port = free_port()
         redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                   "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

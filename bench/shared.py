@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -44,15 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import busy_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
+from bench.machine import busy_core_seconds, free_port  # noqa: E402  (the repo's root is on sys.path now)
 from bench.scratch import scratch_dir  # noqa: E402
 from bench.trials import in_turn  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def export_graphs(dest: Path, prefix: str, widths: list[int]) -> list[Path]:
@@ -189,7 +182,7 @@ def main() -> None:
     farm = [sys.executable, "-m", "farm"]
     resources = subprocess.run([*farm, "resources", "--slots", str(args.workers)], env=env, capture_output=True,
                                text=True, check=True).stdout.strip()
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     graphs = tmp / "graphs"
     graphs.mkdir()

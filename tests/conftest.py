@@ -98,6 +98,14 @@ def local_uri(tmp_path) -> str:
     return str(tmp_path / "store")
 
 
+@pytest.fixture
+def tokens(tmp_path) -> Path:
+    """A tokens file for `farm cache-serve`: `ci` writes, `alice` reads (tests/cache_endpoint.py)."""
+    from tests.cache_endpoint import write_tokens
+
+    return write_tokens(tmp_path / "tokens")
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """A second S3 implementation (moto's server, from PyPI) on a free loopback port."""

@@ -8,23 +8,17 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import closing, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.sockets import free_port
 from workers.sandbox.jail import proc_stat
 
 HEAD_IP = NODE_IP = "127.0.0.1"  # two raylets on one IP, as Ray's own multi-node tests run
-
-
-def _free_port(ip: str) -> int:
-    with closing(socket.socket()) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -83,7 +77,7 @@ def _ray_on_loopback() -> list[str]:
 
 def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, node_gpus: int = 0) -> RayCluster:
     """node_gpus: GPUs the second node claims to have (Ray believes it; no GPU is needed to route)."""
-    port = _free_port(HEAD_IP)
+    port = free_port(HEAD_IP)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -94,15 +88,15 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, n
         "RAY_metrics_report_interval_ms": "2000",  # a metric reaches the nodes' endpoints within seconds
     }
     # agents on ports of their own: Ray's default (52365) stays free for an embedded Ray's job agent
-    dashboard_port = _free_port(HEAD_IP)
-    metrics = (_free_port(HEAD_IP), _free_port(NODE_IP))
+    dashboard_port = free_port(HEAD_IP)
+    metrics = (free_port(HEAD_IP), free_port(NODE_IP))
     head = [*_ray_on_loopback(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
-            f"--resources={json.dumps(head_resources)}", f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
+            f"--resources={json.dumps(head_resources)}", f"--dashboard-agent-listen-port={free_port(HEAD_IP)}",
             "--include-dashboard=true", f"--dashboard-host={HEAD_IP}", f"--dashboard-port={dashboard_port}",
             "--disable-usage-stats", f"--metrics-export-port={metrics[0]}"]
     node = [*_ray_on_loopback(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
             f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats",
-            f"--dashboard-agent-listen-port={_free_port(NODE_IP)}", f"--metrics-export-port={metrics[1]}"]
+            f"--dashboard-agent-listen-port={free_port(NODE_IP)}", f"--metrics-export-port={metrics[1]}"]
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:

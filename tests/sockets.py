@@ -1,10 +1,25 @@
 """The TCP sockets a process tree listens on, read from /proc (Linux), for tests that check that
-what the farm starts listens on loopback alone."""
+what the farm starts listens on loopback alone; and, for a server a test starts, a free port and
+whether it is up yet."""
 from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from pathlib import Path
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `ip` now (the kernel's pick), for a server a test starts."""
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def accepts(port: int, ip: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections there now (a server a test started is up)."""
+    with socket.socket() as s:
+        return s.connect_ex((ip, port)) == 0
 
 
 def descendants(root: int) -> set[int]:

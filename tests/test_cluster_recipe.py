@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.sockets import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,12 +25,6 @@ def _recipe() -> str:
     block = re.search(r"<!-- recipe: two-node cluster -->\s*```bash\n(.*?)```\s*<!-- end recipe -->", text, re.S)
     assert block, "README.md lost its two-node recipe"
     return block.group(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _isolated() -> tuple[list[str], str]:
@@ -48,7 +43,7 @@ def _isolated() -> tuple[list[str], str]:
 def test_the_readme_two_node_recipe_works_as_written(tmp_path):
     recipe = _recipe()
     assert "--address 127.0.0.1:6390" in recipe and recipe.strip().endswith("ray stop")
-    port = str(_free_port())
+    port = str(free_port())
     isolated, ip = _isolated()
     script = f"set -euxo pipefail\n{ip} link set lo up\n" + recipe.replace("6390", port)
     home = tmp_path / "home"

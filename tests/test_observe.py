@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +15,12 @@ import yaml
 
 from farm import client
 from tests.cli import farm
+from tests.sockets import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / "infra" / "grafana" / "farm-dashboard.json"
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def api_session(ray_cluster, zoo_dir, tmp_path_factory):
     # Ray's agents export every 2 s, not every 10; a gauge stays two intervals after its last export
     env["RAY_metrics_report_interval_ms"] = "2000"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "api_session.py"), str(job), store,
-                           str(_free_port())], env=env, cwd=d, capture_output=True, text=True, timeout=900)
+                           str(free_port())], env=env, cwd=d, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return store, {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
 
@@ -166,7 +160,7 @@ def test_a_failed_lowering_keeps_its_trace(zoo_dir, tmp_path, monkeypatch):
 def test_a_cluster_nothing_answers_on_fails_fast_and_says_what_to_do(tmp_path, zoo_dir):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu"]}))
-    port = _free_port()
+    port = free_port()
     done = subprocess.run([sys.executable, "-m", "farm", "submit", str(job), "--address", f"127.0.0.7:{port}",
                            "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
