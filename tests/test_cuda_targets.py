@@ -4,6 +4,7 @@ offers their architecture, and CUDA sandboxes' limits. The GPU itself: tests/tes
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -209,6 +210,8 @@ def test_a_cuda_sandbox_limits_its_heap_not_its_address_space(tmp_path, zoo_dir)
     assert cuda_limits["Max data size"] == str(6 << 30) and cuda_limits["Max address space"] == "unlimited"
     assert cpu_limits["Max address space"] == str(6 << 30)
     assert "CUDA_VISIBLE_DEVICES=" in cpu_env  # a CPU unit's child sees no GPU
+    # a CUDA unit's child sees the GPUs its worker sees (hidden only where the worker's are)
+    assert ("CUDA_VISIBLE_DEVICES=" in cuda_env) == (os.environ.get("CUDA_VISIBLE_DEVICES") == "")
 
 
 @pytest.mark.slow
