@@ -34,7 +34,7 @@ from typing import Any
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from bench.machine import busy_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
+from bench.machine import busy_core_seconds, process_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
 
 SERIAL = """
 import json, sys
@@ -120,7 +120,7 @@ def main() -> None:
     serial_s, serial_cpu, serial_timings = _serial(root / "serial", targets, graphs, probed=False)
     probed_s, _, probed_timings = _serial(root / "serial-probed", targets, graphs, probed=True)
 
-    farm_s, farm_cpu, outcome, runner = _farm(root / "farm", graphs, targets, args.workers)
+    farm_s, farm_cpu, outcome, runner, around = _farm(root / "farm", graphs, targets, args.workers)
 
     efficiency = serial_s / (args.workers * farm_s)
     print(f"compared: {units} units ({len(graphs)} zoo models x {', '.join(targets)}), all cold (fresh store, "
@@ -133,6 +133,8 @@ def main() -> None:
     print(f"the machine was busy {serial_cpu:.1f} core-seconds (every process's) during the serial side's "
           f"{serial_s:.1f} s: {serial_cpu / serial_s:.2f} of its {os.cpu_count()} cores on average; during the "
           f"farm's {farm_s:.1f} s, {farm_cpu:.1f} ({farm_cpu / farm_s:.2f} cores, Ray's own processes included)")
+    print(f"of which Ray's own processes (raylet, GCS, dashboard, agents, log monitor) and this driver: {around:.1f} "
+          f"core-seconds, beside the workers' units")
     busy: dict[str, float] = {}
     for r in outcome.results:
         busy[r.worker or "?"] = busy.get(r.worker or "?", 0.0) + r.timings.get("total", 0.0)
@@ -190,9 +192,11 @@ def _compiler_cache(side: str, results: list[Any]) -> None:
           f"(each side starts with an empty one)")
 
 
-def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tuple[float, float, Any, Any]:
+def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tuple[float, float, Any, Any, float]:
     """The job on W long-lived workers of an embedded Ray (its start-up not counted), in a fresh
-    store and Inductor cache: wall seconds, busy core-seconds, the outcome and the runner."""
+    store and Inductor cache: wall seconds, busy core-seconds, the outcome, the runner, and the
+    core-seconds of the processes alive from its start to its end (Ray's daemons, this driver:
+    not the job's workers, which start and stop with it)."""
     from scheduler.jobs import execute
     from scheduler.ray_pool import PoolConfig, RayRunner
     from scheduler.ray_session import ray_session
@@ -204,13 +208,13 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
     _probe_host(dict(os.environ))  # (a second Ray session of this process would not: see _probe_host)
     job = parse_job({"name": "fanout", "graphs": graphs, "targets": targets})
     with ray_session(None, slots=workers):
-        t0, cpu0 = time.perf_counter(), busy_core_seconds()
+        t0, cpu0, before = time.perf_counter(), busy_core_seconds(), process_core_seconds()
         runner = RayRunner(PoolConfig(workers=workers))
         outcome = execute(job, store_from_uri(str(root / "store")), runner)
-        wall_s, cpu_s = time.perf_counter() - t0, busy_core_seconds() - cpu0
+        wall_s, cpu_s, after = time.perf_counter() - t0, busy_core_seconds() - cpu0, process_core_seconds()
     bad = [r.error for r in outcome.results if r.status != "compiled"]
     assert not bad, bad
-    return wall_s, cpu_s, outcome, runner
+    return wall_s, cpu_s, outcome, runner, sum(after[p] - before[p] for p in before.keys() & after.keys())
 
 
 def _more_trials(args: argparse.Namespace, root: Path, graphs: list[str], targets: list[str],
