@@ -83,7 +83,7 @@ def cache_stats(store: str = StoreOpt,
     from storage.remote_cache import read_stats
 
     try:
-        servers = read_stats(open_store(store))
+        servers = read_stats(open_store(store, create=False))
     except StoreError as e:
         raise fail(str(e)) from e
     totals: dict[str, dict[str, int]] = {}

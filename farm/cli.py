@@ -233,7 +233,7 @@ def _say_unusable_bytecode() -> None:
 
 def _job_handle(job_id: str, store: str) -> "client.JobHandle":
     try:
-        return client.job(job_id, _open_store(store))
+        return client.job(job_id, _open_store(store, create=False))
     except client.UnknownJob as e:
         raise _fail(f"{e}; `farm submit` and `farm run` print the ids of their jobs") from e
 
@@ -281,7 +281,7 @@ def fetch(
     from storage import StoreError
 
     try:
-        facts = client.fetch(key, dest, _open_store(store))
+        facts = client.fetch(key, dest, _open_store(store, create=False))
     except (StoreError, ValueError) as e:
         raise _fail(str(e)) from e
     except OSError as e:  # where it was asked to write
@@ -316,7 +316,7 @@ def trace(
     from farm.trace import TraceError, fetch_trace, find_trace, render
     from storage import StoreError
 
-    s = _open_store(store)
+    s = _open_store(store, create=False)
     try:
         found = find_trace(s, key, _job_handle(job, store).job_id if job else None)
         out = out or Path(f"trace-{found.key[:16]}")
@@ -399,7 +399,7 @@ def explain(
 
     if (job is None) == (len(keys or []) != 2):
         raise _fail("give two keys (farm explain KEY_A KEY_B) or a job (farm explain --job JOB)")
-    s = _open_store(store)
+    s = _open_store(store, create=False)
     try:
         if job is None:
             a, b, diffs = explain_keys(s, *keys)
@@ -440,7 +440,7 @@ def log(digest_or_key: str = typer.Argument(..., help="a log digest (results' lo
     """Print a unit's log, by log digest or by unit key."""
     from storage import StoreError
 
-    s = _open_store(store)
+    s = _open_store(store, create=False)
     try:
         manifest = s.get_manifest(s.resolve_key(digest_or_key))
         digest = manifest["blobs"]["log"]["digest"] if manifest else digest_or_key

@@ -18,14 +18,24 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def open_store(uri: str):
+def open_store(uri: str, create: bool = True):
+    """The store a command names; without `create` (commands that only read), a local store that
+    is not there is said (a mistyped --store), not made empty."""
     from farm.stores import open_store as opened
     from storage import StoreError
 
     try:
-        return opened(uri)
+        return opened(uri, create=create)
     except (ValueError, StoreError) as e:
-        raise fail(str(e)) from e
+        raise store_failed(e) from e
+
+
+def store_failed(e: Exception) -> typer.Exit:
+    """A store that could not be opened or read, said; a local one not there, with the fix."""
+    from storage import NoSuchStore
+
+    fix = "; name the store with --store or FARM_STORE (a job that writes there makes it)"
+    return fail(f"{e}{fix if isinstance(e, NoSuchStore) else ''}")
 
 
 def interrupted(job_id: str, store: str) -> typer.Exit:

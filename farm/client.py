@@ -150,7 +150,7 @@ class JobHandle:
 
 def job(job_id: str, store: str | Store | None = None) -> JobHandle:
     """A handle on a job already in the store (id or unique prefix), submitted from anywhere."""
-    s = open_store(store)
+    s = open_store(store, create=False)
     return JobHandle(resolve_job(s, job_id), s)
 
 
@@ -253,7 +253,7 @@ def fetch(key: str, dest: str | Path, store: str | Store | None = None) -> dict[
     to load it."""
     from storage.signing import describe
 
-    s = open_store(store)
+    s = open_store(store, create=False)
     full = s.resolve_key(key)
     manifest, incomplete = s.complete_manifest(full)  # signature checked when FARM_VERIFY_KEY is set
     if incomplete:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from farm.cli_common import StoreOpt, fail
+from farm.cli_common import StoreOpt, fail, store_failed
 
 AddressOpt = typer.Option(None, "--address", help="the Ray cluster (default: RAY_ADDRESS)")
 
@@ -140,7 +140,7 @@ def jobs(address: Optional[str] = AddressOpt,
         try:
             rows = jobs_in_store(store)
         except StoreError as e:
-            raise fail(str(e)) from e
+            raise store_failed(e) from e
     else:
         rows = _service(address).jobs()
     if as_json:
@@ -169,7 +169,7 @@ def cancel(job_id: str = typer.Argument(..., help="the job's id"), address: Opti
     try:
         said = cancel_in_store(store, job_id) if store is not None else _service(address).cancel(job_id)
     except (ServiceRefused, StoreError) as e:
-        raise fail(str(e)) from e
+        raise store_failed(e) from e
     out.print(f"job {said['job_id']} cancelled: {said['units_stopped']} units dropped or stopped")
 
 

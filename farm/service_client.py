@@ -144,7 +144,7 @@ def jobs_in_store(store: str | Store | None) -> list[dict[str, Any]]:
     jobs still waiting in its inbox."""
     from scheduler.jobs import read_status
 
-    s = open_store(store)
+    s = open_store(store, create=False)
     records = ServiceJobs(s).all()
     ended = {r.job_id for r in [r for r in records if not r.active][-ENDED_SHOWN:]}  # the latest, as the service shows
     rows = []
@@ -183,7 +183,7 @@ def cancel_in_store(store: str | Store | None, job_id: str, timeout_s: float = 3
     answers there ({"job_id", "units_stopped"}); ServiceRefused with what it said otherwise."""
     import time
 
-    s = open_store(store)
+    s = open_store(store, create=False)
     inbox = ServiceInbox(s)
     if inbox.alive() is None:
         raise ServiceRefused(f"no farm service watches {s.uri} (no heartbeat in its store); nothing was cancelled")

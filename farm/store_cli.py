@@ -49,7 +49,7 @@ def gc(store: str = StoreOpt,
                         max_bytes=None if max_gb is None else int(max_gb * (1 << 30)))
     except ValueError as e:
         raise fail(str(e)) from e
-    s = open_store(store)
+    s = open_store(store, create=False)
     try:
         with console.status(f"collecting {s.uri}" + (" (dry run)" if dry_run else "")):
             report = collect(s, policy).to_dict()
@@ -79,7 +79,7 @@ def du(store: str = StoreOpt, grace_s: float = GraceOpt, as_json: bool = JsonOpt
     from storage import StoreError
     from storage.usage import usage
 
-    s = open_store(store)
+    s = open_store(store, create=False)
     try:
         with console.status(f"listing {s.uri}"):
             u = usage(s, grace_s=grace_s).to_dict()
@@ -111,7 +111,7 @@ def pin(key: Optional[str] = typer.Argument(None, help="a unit key or its unique
 
     if [key is not None, job is not None, bool(remote_cache)].count(True) != 1:
         raise fail("name a unit KEY, --job JOB or --remote-cache KIND (one of them)")
-    s = open_store(store)
+    s = open_store(store, create=False)
     try:
         if remote_cache:
             made = pin_caches(s, remote_cache, label=label)
@@ -139,7 +139,7 @@ def unpin(name: str = typer.Argument(..., help="the pin's name: its label, its k
     from farm.console import out
     from storage.pins import unpin as remove
 
-    s = open_store(store)
+    s = open_store(store, create=False)
     try:
         found = remove(s, name)
     except ValueError as e:
@@ -156,7 +156,7 @@ def pins(store: str = StoreOpt, as_json: bool = JsonOpt) -> None:
     from farm.console import out
     from storage.pins import pins as every_pin
 
-    found = every_pin(open_store(store))
+    found = every_pin(open_store(store, create=False))
     if as_json:
         typer.echo(json.dumps([{"name": p.name, "label": p.label, "keys": list(p.keys), "job": p.job,
                                 "caches": list(p.caches), "created_at": p.created_at} for p in found], indent=1))

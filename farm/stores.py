@@ -6,6 +6,9 @@ from storage import CacheConfig, Store, store_from_uri
 from storage.uri import default_store
 
 
-def open_store(store: str | Store | None) -> Store:
-    """A store given by URI (None: FARM_STORE, else .farm/store), with the local disk tier workers use."""
-    return store if isinstance(store, Store) else store_from_uri(store or default_store(), CacheConfig.from_env())
+def open_store(store: str | Store | None, create: bool = True) -> Store:
+    """A store given by URI (None: FARM_STORE, else .farm/store), with the local disk tier workers
+    use. Without `create`, a local store's directory must exist (storage.NoSuchStore): for readers."""
+    if isinstance(store, Store):
+        return store
+    return store_from_uri(store or default_store(), CacheConfig.from_env(), create=create)

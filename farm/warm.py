@@ -63,6 +63,7 @@ def _warm_start(program: str | Path | ExportedProgram, store: str | Store | None
     from torch.export import ExportedProgram
 
     from farm.stores import open_store
+    from storage import NoSuchStore
     from workers.backends import LoweringError, resolve
     from workers.keys import key_components, key_of
     from workers.sandbox.program import load_program, program_identity
@@ -76,7 +77,11 @@ def _warm_start(program: str | Path | ExportedProgram, store: str | Store | None
         backend = resolve(t)
     except LoweringError as e:
         raise WarmStartError(str(e)) from e
-    s = open_store(store)
+    try:
+        s = open_store(store, create=False)  # a mistyped path is said, not made an empty store
+    except NoSuchStore as e:
+        raise WarmStartError(f"cannot start {name} from the farm's {t.label} artifact: {e}; name the store the "
+                             f"farm compiled it into (store=, or FARM_STORE)") from e
     identity = program_identity(ep, weights_by_value=t.weights == "values")
     try:
         components = key_components(identity, backend.target_components(t), t.options_dict, backend.toolchain(t))

@@ -115,7 +115,7 @@ def zoo_report(store: str = StoreOpt, report: Path = ReportOpt) -> None:
     from storage.history import read_history
 
     try:
-        rows = read_history(open_store(store)).to_pylist()
+        rows = read_history(open_store(store, create=False)).to_pylist()
     except StoreError as e:
         raise fail(str(e)) from e
     if not rows:

@@ -19,6 +19,11 @@ class StoreUnwritable(StoreError):
     trying again in a moment will not help."""
 
 
+class NoSuchStore(StoreError):
+    """A local store that a reader named is not there (no such directory): a mistyped path is
+    said, not answered as a new, empty store."""
+
+
 class UnsafeStore(StoreError):
     """The store works but cannot be published to safely (e.g. it ignores conditional writes);
     trying again will not help."""

@@ -11,16 +11,20 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from storage.backend import ObjectInfo, StoreError, StoreUnwritable
+from storage.backend import NoSuchStore, ObjectInfo, StoreError, StoreUnwritable
 
 # a write that fails with these fails again in a moment: the unit is not run again for them
 UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
 class LocalBackend:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, create: bool = True):
+        """`create`: make the directory if it is missing (the first job that writes to a store
+        makes it); without, a missing one is NoSuchStore (what only reads makes nothing)."""
         self.root = Path(root).expanduser().resolve()
         self.uri = f"file://{self.root}"
+        if not create and not self.root.is_dir():
+            raise NoSuchStore(f"no store at {self.root}: no such directory")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:

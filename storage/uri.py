@@ -15,16 +15,17 @@ def default_store() -> str:
     return os.environ.get("FARM_STORE", ".farm/store")
 
 
-def store_from_uri(uri: str, cache: CacheConfig | None = None) -> Store:
+def store_from_uri(uri: str, cache: CacheConfig | None = None, create: bool = True) -> Store:
     """`/path`, `relative/path`, `file:///path` → local directory; `s3://bucket/prefix` → S3.
 
     With a cache config, a remote store gets a local disk tier for blobs (a local store
-    needs none: its blobs are already on disk)."""
+    needs none: its blobs are already on disk). Without `create`, a local directory must exist
+    already (NoSuchStore): for callers that only read."""
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         from storage.local import LocalBackend
 
-        return Store(LocalBackend(parsed.path if parsed.scheme else uri))
+        return Store(LocalBackend(parsed.path if parsed.scheme else uri, create=create))
     if parsed.scheme == "s3":
         from storage.s3 import S3Backend
 

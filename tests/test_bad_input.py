@@ -358,3 +358,25 @@ def test_numbers_out_of_range_are_refused_before_anything_runs(args, option):
     read the store in a tight loop."""
     said = farm(*args)
     assert f"Invalid value for '{option}'" in said, said
+
+
+@pytest.mark.parametrize("args", [["du"], ["gc"], ["pins"], ["cache-stats"], ["jobs"], ["cancel", "job-1"], ["zoo", "report"],
+                                  ["status", "job-1"], ["results", "job-1"], ["log", "abc"], ["fetch", "abc", "out.bin"]])
+def test_a_command_that_reads_a_local_store_that_is_not_there_says_so_and_makes_none(args, tmp_path):
+    """Before, a mistyped --store was made an empty store, which answered `farm du` with nothing
+    and `farm status` with an unknown job."""
+    missing = tmp_path / "typo"
+    said = farm(*args, "--store", str(missing))
+    assert f"no store at {missing}: no such directory" in said and "--store or FARM_STORE" in said, said
+    assert not missing.exists()
+
+
+def test_the_client_reading_a_local_store_that_is_not_there_says_so_and_makes_none(tmp_path):
+    from farm import client
+    from storage import NoSuchStore
+
+    missing = tmp_path / "typo"
+    for read in (lambda: client.job("job-1", str(missing)), lambda: client.fetch("abc", tmp_path / "out", str(missing))):
+        with pytest.raises(NoSuchStore, match=f"no store at {missing}"):
+            read()
+    assert not missing.exists()
