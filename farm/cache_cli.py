@@ -59,17 +59,25 @@ def cache_serve(
             raise fail(f"cannot serve metrics on 127.0.0.1:{metrics_port}: {e.strerror or e}; choose another "
                        f"--metrics-port") from e
     scheme = "rediss" if tls else "redis"
-    console.print(f"farm cache-serve: {store} on {scheme}://NAME:TOKEN@{host}:{port} for {len(users)} users "
-                  f"(tokens: {tokens}); Ctrl-C stops")
+    listened: list[int] = []
+
+    def listening(host: str, port: int) -> None:
+        listened.append(port)
+        console.print(f"farm cache-serve: {store} on {scheme}://NAME:TOKEN@{host}:{port} for {len(users)} users "
+                      f"(tokens: {tokens}); Ctrl-C stops")
+
     signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does
     try:
-        asyncio.run(server.serve_forever())
+        asyncio.run(server.serve_forever(listening))
     except OSError as e:
+        if listened:  # not the listening socket's: a bug, with its traceback
+            raise
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port") from e
     except KeyboardInterrupt:
         pass
     finally:
-        console.print("farm cache-serve stopped; served " + json.dumps(server.entries.stats()))
+        if listened:
+            console.print("farm cache-serve stopped; served " + json.dumps(server.entries.stats()))
 
 
 def cache_stats(store: str = StoreOpt,

@@ -28,6 +28,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from storage import resp
 from storage.backend import StoreError
@@ -95,8 +96,12 @@ class CacheServer:
         self._saver = asyncio.create_task(self._save_stats_every(self.stats_every_s))
         return self.host, self.port
 
-    async def serve_forever(self) -> None:
+    async def serve_forever(self, listening: Callable[[str, int], None] | None = None) -> None:
+        """Serve until cancelled; `listening` is told the address once it listens (the port the
+        system chose, for port 0), not before: a port in use raises OSError first."""
         await self.start()
+        if listening is not None:
+            listening(self.host, self.port)
         try:
             async with self._server:
                 await self._server.serve_forever()

@@ -205,6 +205,20 @@ def test_a_tokens_file_that_cannot_be_used_is_refused_with_its_line(tmp_path):
     assert "not a loopback address" in said and "--tls-cert" in said
 
 
+def test_cache_serve_on_a_port_in_use_says_so_and_never_that_it_serves(tokens, tmp_path):
+    """Before, it said where it served, then that it could not listen there, then that it stopped."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "farm", "cache-serve", "--store", str(tmp_path / "store"),
+                               "--tokens", str(tokens), "--port", str(port)], cwd=ROOT, text=True, capture_output=True,
+                              stdin=subprocess.DEVNULL, timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in said and "another --port" in said, said
+    assert "Ctrl-C stops" not in said and "stopped" not in said, said
+
+
 def test_cache_serve_says_at_once_that_it_cannot_reach_its_store(tokens, tmp_path):
     """Not a server that listens, then answers every lookup with an error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
