@@ -79,7 +79,7 @@ class GraphSpec(_Strict):
 
     @property
     def label(self) -> str:
-        return self.name or Path(self.path.rstrip("/")).name.removesuffix(".pt2")
+        return self.name or Path(self.path.rstrip("/")).name.removesuffix(".pt2") or self.path  # "." has no name
 
 
 RankDevice = Literal["cpu", "cuda"]

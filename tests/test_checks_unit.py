@@ -61,6 +61,9 @@ def test_spec_accepts_strings_and_mappings(tmp_path):
     assert job.resolve(job.graphs[0]) == str(tmp_path / "models" / "a.pt2")
     assert job.resolve(job.graphs[1]) == "s3://b/k.pt2" and job.graphs[1].label == "k"
     assert job.targets[0].backend == "aoti-cpu" and job.targets[0].isa == "avx512"
+    # a path with no file name (a directory, mistaken for a graph) is named by itself in its error
+    assert [g.label for g in parse_job({"graphs": [".", "models/", "a.pt2"], "targets": ["aoti-cpu"]}).graphs] == \
+        [".", "models", "a"]
 
 
 @pytest.mark.parametrize("data, field", [
