@@ -166,6 +166,7 @@ def test_warm_start_asks_its_own_process_for_the_gpu_and_says_why_it_has_none(zo
         raise AssertionError(f"a child was started to ask for the GPU: {args[0] if args else kwargs}")
 
     monkeypatch.setattr(cuda.subprocess, "run", no_child)
+    (tmp_path / "store").mkdir()  # a store, without the artifact
     with pytest.raises(WarmStartError) as refused:
         warm_start(zoo_dir / "mlp.pt2", store=str(tmp_path / "store"), target="inductor-cache:cuda")
     said = str(refused.value)

@@ -65,5 +65,6 @@ def test_explain_two_keys_and_by_prefix(zoo_runs, retrained):
 def test_hits_need_no_explaining_and_first_compiles_say_so(zoo_runs, zoo_dir, tmp_path):
     store = zoo_runs[0]
     assert "every unit was a hit" in _farm("explain", "--job", zoo_runs[2].job_id, "--store", store.uri)
+    (tmp_path / "elsewhere").mkdir()  # a store without that job (one not there is said: test_bad_input)
     out = _farm("explain", "--job", zoo_runs[1].job_id, "--store", str(tmp_path / "elsewhere"))
     assert "no job" in out

@@ -275,11 +275,15 @@ def test_warm_start_of_a_program_with_its_own_output_type_says_to_import_it_or_n
                     f"torch.export.save(torch.export.export(Net(), (torch.randn(2, 4),)), {str(exported)!r})"],
                    check=True, cwd=Path(__file__).resolve().parents[1])
     assert "tests.custom_output" not in sys.modules  # this process never registered the output type
+    (tmp_path / "store").mkdir()  # a store, without the artifact
     with pytest.raises(Exception, match=r"to modules=\[\.\.\.\] of warm_start, or import it") as e:
         warm_start(exported, store=str(tmp_path / "store"))
     assert "job" not in str(e.value)  # a warm_start caller has no job
     with pytest.raises(WarmStartError, match="no inductor-cache\\+train artifact"):  # read: only the miss is left
         warm_start(exported, store=str(tmp_path / "store"), modules=["tests.custom_output"])
+    with pytest.raises(WarmStartError, match="no store at .*typo: no such directory; name the store"):
+        warm_start(exported, store=str(tmp_path / "typo"), modules=["tests.custom_output"])
+    assert not (tmp_path / "typo").exists()  # a mistyped store is said, not made
 
 class _Dropout(torch.nn.Module):
     def __init__(self):
