@@ -20,19 +20,14 @@ def process_core_seconds(root: int | None = None) -> dict[int, float]:
     """Core-seconds each process below `root` (this one by default; root included) has spent so
     far, its own and not its children's, by pid: two readings tell what the processes alive at both
     (an embedded Ray's daemons, which this driver started) spent between."""
-    parent, spent = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended meanwhile
-            continue
-        pid = int(stat.parent.name)
-        parent[pid] = int(fields[1])
-        spent[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    tree = {os.getpid() if root is None else root}
-    while below := {pid for pid, ppid in parent.items() if ppid in tree} - tree:
-        tree |= below
-    return {pid: spent[pid] for pid in tree if pid in spent}
+    from tests.sockets import descendants
+    from workers.sandbox.jail import proc_stat
+
+    tick, spent = os.sysconf("SC_CLK_TCK"), {}
+    for pid in descendants(os.getpid() if root is None else root):
+        if fields := proc_stat(pid):  # [] once it ended
+            spent[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return spent
 
 
 def free_port() -> int:
