@@ -20,14 +20,11 @@ def process_core_seconds(root: int | None = None) -> dict[int, float]:
     """Core-seconds each process below `root` (this one by default; root included) has spent so
     far, its own and not its children's, by pid: two readings tell what the processes alive at both
     (an embedded Ray's daemons, which this driver started) spent between."""
-    from tests.sockets import descendants
-    from workers.sandbox.jail import proc_stat
+    from tests.sockets import descendants, process_table
 
-    tick, spent = os.sysconf("SC_CLK_TCK"), {}
-    for pid in descendants(os.getpid() if root is None else root):
-        if fields := proc_stat(pid):  # [] once it ended
-            spent[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return spent
+    tick, table = os.sysconf("SC_CLK_TCK"), process_table()
+    return {pid: (int(table[pid][11]) + int(table[pid][12])) / tick  # utime, stime
+            for pid in descendants(os.getpid() if root is None else root, table) if pid in table}
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.sockets import free_port
+from tests.sockets import descendants, free_port, process_table
 from workers.sandbox.jail import proc_stat
 
 HEAD_IP = NODE_IP = "127.0.0.1"  # two raylets on one IP, as Ray's own multi-node tests run
@@ -41,24 +41,14 @@ def stop_cluster(port: int) -> None:
     a test's own cluster in a PID namespace of its own included (tests/test_cluster_recipe.py's
     recipe died with this session's teardown)."""
     named = re.compile(rf"[:=]{port}(\D|$)")
-    tree: dict[int, list[int]] = {}
-    roots = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid, fields = int(entry), proc_stat(int(entry))
+    table, roots = process_table(), []
+    for pid in table:
         with suppress(OSError):
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if fields:
-                tree.setdefault(int(fields[1]), []).append(pid)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             if named.search(cmdline) and pid != os.getpid():
                 roots.append(pid)
-    doomed, todo = set(), list(roots)
-    while todo:  # the whole tree first: a worker whose raylet died is re-parented to init
-        pid = todo.pop()
-        if pid not in doomed:
-            doomed.add(pid)
-            todo.extend(tree.get(pid, ()))
+    # the whole tree first: a worker whose raylet died is re-parented to init
+    doomed = set().union(*(descendants(root, table) for root in roots))
     for pid in doomed:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -8,6 +8,8 @@ import os
 import socket
 from pathlib import Path
 
+from workers.sandbox.jail import proc_stat
+
 
 def free_port(ip: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on at `ip` now (the kernel's pick), for a server a test starts."""
@@ -22,20 +24,18 @@ def accepts(port: int, ip: str = "127.0.0.1") -> bool:
         return s.connect_ex((ip, port)) == 0
 
 
-def descendants(root: int) -> set[int]:
-    """root and every process below it."""
-    parent: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended meanwhile
-            continue
-        parent[int(stat.parent.name)] = int(fields[1])
-    tree, grew = {root}, True
-    while grew:
-        below = {pid for pid, ppid in parent.items() if ppid in tree} - tree
+def process_table() -> dict[int, list[str]]:
+    """Every process's /proc/PID/stat fields after its name (jail.proc_stat), by pid, each read once."""
+    table = {int(entry.name): proc_stat(int(entry.name)) for entry in Path("/proc").glob("[0-9]*")}
+    return {pid: fields for pid, fields in table.items() if fields}  # [] : it ended meanwhile
+
+
+def descendants(root: int, table: dict[int, list[str]] | None = None) -> set[int]:
+    """root and every process below it, in `table` (process_table's) or among the processes now."""
+    parent = {pid: int(fields[1]) for pid, fields in (process_table() if table is None else table).items()}
+    tree = {root}
+    while below := {pid for pid, ppid in parent.items() if ppid in tree} - tree:
         tree |= below
-        grew = bool(below)
     return tree
 
 
