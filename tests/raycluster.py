@@ -77,16 +77,21 @@ def start_cluster(cache_dir: Path, head_resources: dict, node_resources: dict, n
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_metrics_report_interval_ms": "2000",  # a metric reaches the nodes' endpoints within seconds
     }
-    # agents on ports of their own: Ray's default (52365) stays free for an embedded Ray's job agent
+    # agents on ports of their own: Ray's default (52365) stays free for an embedded Ray's job agent.
+    # No log monitors: they push workers' output to drivers, and every farm driver here joins with
+    # log_to_driver=False; each polls every log file of its node ten times a second, and as a session's
+    # workers come and go (hundreds of log files) the two took 53 of the suite's 2,092 CPU-seconds
+    # (2026-11-30, process accounting). The dashboard still serves each worker's log from its file.
     dashboard_port = free_port(HEAD_IP)
     metrics = (free_port(HEAD_IP), free_port(NODE_IP))
     head = [*_ray_on_loopback(), "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=2",
             f"--resources={json.dumps(head_resources)}", f"--dashboard-agent-listen-port={free_port(HEAD_IP)}",
             "--include-dashboard=true", f"--dashboard-host={HEAD_IP}", f"--dashboard-port={dashboard_port}",
-            "--disable-usage-stats", f"--metrics-export-port={metrics[0]}"]
+            "--disable-usage-stats", f"--metrics-export-port={metrics[0]}", "--include-log-monitor=false"]
     node = [*_ray_on_loopback(), "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
             f"--resources={json.dumps(node_resources)}", f"--num-gpus={node_gpus}", "--disable-usage-stats",
-            f"--dashboard-agent-listen-port={free_port(NODE_IP)}", f"--metrics-export-port={metrics[1]}"]
+            f"--dashboard-agent-listen-port={free_port(NODE_IP)}", f"--metrics-export-port={metrics[1]}",
+            "--include-log-monitor=false"]
     for cmd in (head, node):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
