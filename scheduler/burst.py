@@ -8,6 +8,13 @@ run niced (scheduler/fair.py, NICENESS). So an interactive unit starts at once, 
 and compiles at nearly its speed alone; the nightly loses only the CPU it uses. A burst worker
 stops with the last worker of its class; one that cannot be started is not tried again for
 BURST_RETRY_S (its class then waits as it would without).
+
+A class's burst workers start the first time it is busy that way (a nightly or batch job filling
+its workers), not with its first worker: each is a worker process and a sandbox that imports
+torch (seconds of CPU, and its memory, held while idle), which a service that serves people's
+jobs alone never uses. A nightly fills the pool from its first units, so they are warm long before
+a person's job comes; one that comes in the seconds after waits for a burst worker's start, not
+for the nightly.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ class BurstWorkers:
                 elif not slot.rested:
                     self.cluster.rest(slot.actor)
                     slot.rested = True
-            if workers and placement.gpus == 0 and len(bursts) < self.config.burst_workers and \
+            if busy and placement.gpus == 0 and len(bursts) < self.config.burst_workers and \
                     now >= self._burst_after.get(resource, 0.0):
                 slot = self.slot_class(resource, self._next_index, burst=True)
                 self._next_index += 1
