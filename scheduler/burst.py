@@ -30,8 +30,9 @@ class BurstWorkers:
     """The shared pool's rules for its burst workers; they use its slots, queues and dispatch."""
 
     def _burst(self, now: float) -> None:
-        """Burst workers (see the module's doc): kept warm beside a CPU class's workers for as long
-        as it has any, serving interactive units only while the class is busy with a lower one."""
+        """Burst workers (see the module's doc): started once a CPU class is busy with a lower
+        class's unit, then kept warm beside its workers for as long as it has any, serving
+        interactive units only while the class is busy with a lower one."""
         for resource, (placement, _, _) in self._placements.items():
             workers = [s for s in self.slots if s.resource == resource and not s.burst]
             bursts = [s for s in self.slots if s.resource == resource and s.burst]
