@@ -24,7 +24,7 @@ def process_core_seconds(root: int | None = None) -> dict[int, float]:
 
     tick, table = os.sysconf("SC_CLK_TCK"), process_table()
     return {pid: (int(table[pid][11]) + int(table[pid][12])) / tick  # utime, stime
-            for pid in descendants(os.getpid() if root is None else root, table) if pid in table}
+            for pid in descendants(os.getpid() if root is None else root, table=table) if pid in table}
 
 
 def free_port() -> int:

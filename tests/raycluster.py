@@ -48,7 +48,7 @@ def stop_cluster(port: int) -> None:
             if named.search(cmdline) and pid != os.getpid():
                 roots.append(pid)
     # the whole tree first: a worker whose raylet died is re-parented to init
-    doomed = set().union(*(descendants(root, table) for root in roots))
+    doomed = descendants(*roots, table=table)
     for pid in doomed:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -30,10 +30,10 @@ def process_table() -> dict[int, list[str]]:
     return {pid: fields for pid, fields in table.items() if fields}  # [] : it ended meanwhile
 
 
-def descendants(root: int, table: dict[int, list[str]] | None = None) -> set[int]:
-    """root and every process below it, in `table` (process_table's) or among the processes now."""
+def descendants(*roots: int, table: dict[int, list[str]] | None = None) -> set[int]:
+    """The roots and every process below them, in `table` (process_table's) or among the processes now."""
     parent = {pid: int(fields[1]) for pid, fields in (process_table() if table is None else table).items()}
-    tree = {root}
+    tree = set(roots)
     while below := {pid for pid, ppid in parent.items() if ppid in tree} - tree:
         tree |= below
     return tree
