@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the job's side (pyarrow, the spec's and the scheduler's mod
 
     from scheduler.jobs import Events, JobOutcome
     from scheduler.spec import JobSpec
+    from scheduler.warm_workers import WarmWorkers
 
 __all__ = ["FarmCache", "JobHandle", "UnknownJob", "WarmStartError", "fetch", "job", "load_compiled", "load_tuned",
            "resolve_job", "run", "submit", "use_farm_cache", "warm_start"]
@@ -179,11 +180,14 @@ def _start(spec: JobSpec | dict | str | Path, store: str | Store | None, wait: b
 def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, address: str | None = None,
            wait: bool = True, workers: int | None = None, events: Events | None = None,
            metrics_port: int | None = None, on_session: Callable[[Any, str], None] | None = None,
-           priority: str | None = None) -> JobHandle:
+           priority: str | None = None, warm: WarmWorkers | None = None) -> JobHandle:
     """Run a job on Ray: the cluster at `address` (or RAY_ADDRESS), else an embedded Ray of this
     process's own, kept up for the next submit (its Prometheus metrics on `metrics_port`). With
     `wait=False` it returns at once; the handle's `status()` follows it. `on_session(session,
-    job_id)` is called once Ray is up (the CLI prints the dashboard's URL).
+    job_id)` is called once Ray is up (the CLI prints the dashboard's URL). `warm`, a
+    scheduler.warm_workers.WarmWorkers, is for a caller that runs jobs one after another in one
+    Ray session (`farm zoo run`): the job takes the workers the last one left idle, and leaves its
+    own there; the caller stops them (scheduler.ray_pool.close_workers).
 
     Where a farm service runs on that cluster (`farm serve`), or watches the store, the job is
     handed to it (farm/service_client.py, `find`): it runs there at `priority` (default: the
@@ -224,7 +228,7 @@ def submit(spec: JobSpec | dict | str | Path, store: str | Store | None = None, 
             if not embedded:
                 join()
             lookup_first = embedded or joined[0].embedded
-            runner = RayRunner(config, job_id=job_id, lookup_first=lookup_first, cluster=RayCluster(join))
+            runner = RayRunner(config, job_id=job_id, lookup_first=lookup_first, cluster=RayCluster(join), warm=warm)
             outcome = execute(job, s, runner, observer, job_id)
             observer.done(outcome)
             return outcome

@@ -20,9 +20,11 @@ from farm.regressions import Regression, find_regressions
 from farm.service_client import find
 from farm.zoo import ZooModel, export_bytes, load_suite
 from scheduler.jobs import Events, NoEvents
+from scheduler.ray_pool import close_workers
 from scheduler.ray_tasks import TaskFailed, run_tasks
 from scheduler.ray_session import ray_session
 from scheduler.spec import parse_job
+from scheduler.warm_workers import WarmWorkers
 from storage import Store
 from storage.history import append_run, history_path, read_history
 from workers.keys import toolchain
@@ -77,7 +79,7 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
             if e.path is None:
                 rows += [_unbuilt_row(base, e, t) for t in e.entry.targets]
         jobs = _jobs(run_id, [e for e in exported if e.path is not None])
-        for group, handle in _compiled(jobs, store, address, served, progress, follow):
+        for group, handle in _compiled(run_id, jobs, store, address, served, progress, follow):
             by_name = {e.entry.name: e for e in group}
             rows += [_row(base, by_name[r.graph], r, handle.job_id) for r in handle.outcome.results
                      if r.graph in by_name and "[" not in r.target]  # autotune's per-candidate rows stay in the job
@@ -86,17 +88,21 @@ def run_suite(suite_ref: str, store: Store, address: str | None = None, date: st
     return NightlyRun(run_id, date, rows, find_regressions(history.to_pylist(), run_id), history)
 
 
-def _compiled(jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, address: str | None, served: bool,
-              progress: Callable[[], ContextManager[Events]],
+def _compiled(run_id: str, jobs: list[tuple[dict[str, Any], list[Exported]]], store: Store, address: str | None,
+              served: bool, progress: Callable[[], ContextManager[Events]],
               follow: Callable[[JobHandle], Any]) -> Iterator[tuple[list[Exported], JobHandle]]:
     """Each job's group of entries, with the job once it ended. A farm service (`served`) gets every
     job of the run at once: its workers share them (at priority nightly), so that one group's last
     units do not hold the next group back. Without one, the jobs run here one after another, each
-    on workers of its own."""
+    on the workers the one before left (scheduler/warm_workers.py), which stop with the run."""
     if not served:
-        for spec, group in jobs:
-            with progress() as events:  # in this session: the client's submit finds it open
-                yield group, submit(parse_job(spec, "farm zoo run"), store, address, events=events)
+        warm = WarmWorkers(run_id)
+        try:
+            for spec, group in jobs:
+                with progress() as events:  # in this session: the client's submit finds it open
+                    yield group, submit(parse_job(spec, "farm zoo run"), store, address, events=events, warm=warm)
+        finally:
+            close_workers(warm)
         return
     handed = [(group, submit(parse_job(spec, "farm zoo run"), store, address, wait=False)) for spec, group in jobs]
     for group, handle in handed:

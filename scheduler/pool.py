@@ -15,7 +15,9 @@ The rules, and their tests without a cluster (tests/test_pool.py):
   (a cold node's compile headers, one per ISA, are then built side by side, not in turn);
 - a class's units go out largest program first (a rough proxy for the longest compile), so
   what is left at the end are small units that fill the gaps instead of one long one;
-- every unit is reported exactly once.
+- every unit is reported exactly once;
+- a driver that runs jobs one after another may keep their idle workers for the next
+  (`WorkerPool.warm`, scheduler/warm_workers.py): a worker that died or was busy is never kept.
 The cluster's calls go through `Cluster` (scheduler/ray_pool.py has Ray's).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from scheduler.kept_sandbox import warm_sandbox
 from scheduler.spec import RETRIES
+from scheduler.warm_workers import Shape, WarmWorkers
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
 from workers.errors import summary
@@ -110,13 +113,21 @@ class WorkerPool:
     slots: list[_Slot] = field(default_factory=list)
     cluster: Cluster | None = None
     lookup_first: bool = False  # answer hits in this process before starting workers (see RayRunner)
+    warm: WarmWorkers | None = None  # workers kept from this driver's earlier jobs, and for its next
+
+    def _shape(self, resource: str) -> Shape:
+        placement, device = self._placements[resource]
+        placement = replace(placement, holding=tuple(sorted(self._covers.get(resource, ()))))  # what it will take
+        return Shape(resource, placement, device, self._store_uri)
 
     def _start(self, slot: _Slot, resource: str) -> None:
         slot.resource, slot.generation = resource, slot.generation + 1
-        placement, device = self._placements[resource]
-        placement = replace(placement, holding=tuple(sorted(self._covers.get(resource, ()))))  # what it will take
-        slot.actor = self.cluster.start(f"{self.job_id}/{slot.name}", placement, self._store_uri, self._limits, device)
-        slot.ready = self.cluster.ready(slot.actor)
+        shape = self._shape(resource)
+        slot.actor = self.warm.take(shape) if self.warm is not None else None
+        if slot.actor is None:
+            name = self.warm.new_name(resource) if self.warm is not None else f"{self.job_id}/{slot.name}"
+            slot.actor = self.cluster.start(name, shape.placement, self._store_uri, self._limits, shape.device)
+        slot.ready = self.cluster.ready(slot.actor)  # (a kept worker answers at once)
         slot.unit = slot.future = None
 
     def _restart(self, slot: _Slot, resource: str | None = None) -> None:
@@ -129,6 +140,7 @@ class WorkerPool:
         return dict(zip([s.unit.unit_id for s in busy], self.cluster.pids([s.actor for s in busy])))
 
     def __call__(self, units: list[Unit], store: Store, events) -> Iterator[tuple[Unit, UnitResult]]:
+        self.slots = []  # a job's units run again (scheduler.jobs: a store that was down) on workers of their own
         self._store_uri = store.uri
         self._limits = units[0].limits if units else UnitLimits()
         self._placements: dict[str, tuple[Placement, str]] = {}  # device class → (placement, device)
@@ -158,10 +170,23 @@ class WorkerPool:
             slot = _Slot(resource, i)
             self._start(slot, resource)
             self.slots.append(slot)
+        if self.warm is not None:  # kept workers this job did not take: their resources go back to Ray
+            self.cluster.stop(self.warm.close())
+        ended = False
         try:
             yield from self._drive(queues, events)
+            ended = True
         finally:
-            self.cluster.stop([slot.actor for slot in self.slots])
+            self._end(ended)
+
+    def _end(self, ended: bool) -> None:
+        """Stop the job's workers; with `warm`, keep those idle and healthy after a job that ran
+        to its end, their sandbox children replaced for the next job."""
+        kept = [s for s in self.slots if ended and self.warm is not None and s.ready is None and s.future is None]
+        for slot in kept:
+            self.cluster.rest(slot.actor)
+            self.warm.keep(slot.actor, self._shape(slot.resource))
+        self.cluster.stop([slot.actor for slot in self.slots if slot not in kept])
 
     def _place(self, units, store: Store, events, queues, sandbox: Sandbox) -> Iterator[tuple[Unit, UnitResult]]:
         """Queue each unit for its device class, after failing what cannot be placed and answering
@@ -240,7 +265,7 @@ class WorkerPool:
                         self._restart(slot, target)
                     continue
                 slot.unit, slot.retries, slot.started = p.unit, p.retries, time.monotonic()
-                slot.future = self.cluster.submit(slot.actor, p.unit)
+                slot.future = self.cluster.submit(slot.actor, p.unit, self.job_id)  # (a kept worker renews its child)
                 events.started(p.unit)
             self._report_load(queues, events)
             waiting = [s.ready for s in self.slots if s.ready is not None] + [s.future for s in self.slots if s.future is not None]

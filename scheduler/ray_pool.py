@@ -23,13 +23,14 @@ from scheduler.gang_actor import GangMember
 from scheduler.gang_warm import WarmRanks
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from scheduler.ray_actors import CompileWorker
+from scheduler.warm_workers import WarmWorkers
 from scheduler.ray_session import NAMESPACE
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
 from workers.sandbox import tempdirs
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
-__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "close_ranks"]
+__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "close_ranks", "close_workers"]
 
 CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
 
@@ -116,11 +117,18 @@ class RayRunner(WorkerPool):
         """Multi-rank models, after the pool's units (whose workers have released their slots)."""
         if gangs:
             self.cluster.up()
+            if self.warm is not None:  # the gangs' placement groups need the CPUs kept workers hold
+                self.cluster.stop(self.warm.close())
         yield from GangRunner(self.job_id, warm=self.gang_ranks)(gangs, store, events)
 
 
 def close_ranks(warm: WarmRanks) -> None:
     """Stop the idle warm ranks (those of running gangs stop with their gang)."""
+    _stop(warm.close())
+
+
+def close_workers(warm: WarmWorkers) -> None:
+    """Stop the pool workers a driver kept between its jobs."""
     _stop(warm.close())
 
 

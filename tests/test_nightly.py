@@ -68,6 +68,28 @@ def test_second_night_reports_the_slower_and_the_broken_entry_and_exits_non_zero
     assert "steady" not in out.split("regression(s)")[1]  # unchanged: a hit, not a regression
 
 
+def test_a_nights_jobs_run_one_after_another_on_the_workers_of_the_first(two_nights):
+    """Without a farm service a night's groups are jobs run in turn: the later ones take the
+    workers the first left (the same processes), instead of starting their own."""
+    from storage.results import read_results
+
+    store, _, _ = two_nights
+    store = store_from_uri(str(store))
+    for run_id, jobs in _jobs_by_run(read_history(store).to_pylist()).items():
+        workers = [{r["worker"] for r in read_results(store, job_id)} for job_id in jobs]
+        assert len(workers) == 2 and all(workers) and None not in workers[0], (run_id, workers)
+        assert workers[1] <= workers[0], (run_id, workers)
+
+
+def _jobs_by_run(rows: list[dict]) -> dict[str, list[str]]:
+    """Each run's job ids, in the order the run submitted them (`<run id>-<n>-<time>-<hex>`)."""
+    jobs: dict[str, set[str]] = {}
+    for r in rows:
+        if r["job_id"]:
+            jobs.setdefault(r["run_id"], set()).add(r["job_id"])
+    return {run: sorted(ids, key=lambda j: int(j[len(run) + 1:].split("-", 1)[0])) for run, ids in jobs.items()}
+
+
 def test_history_is_parquet_by_date_and_reads_back_with_pyarrow_pandas_and_duckdb(two_nights):
     import duckdb
     import pandas as pd

@@ -14,6 +14,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from scheduler import pool
 from scheduler.jobs import NoEvents
 from scheduler.pool import PoolConfig, WorkerPool
+from scheduler.warm_workers import WarmWorkers
 from storage import BlobRef
 from workers.unit import Target, Unit, UnitLimits, UnitResult
 
@@ -207,6 +208,51 @@ def test_an_isa_no_worker_covers_still_gets_its_own_workers():
     assert "farm_cpu_avx2" in results["g0@aoti-cpu:avx2"].error
     assert [results[f"g{i}@aoti-cpu:x86-64"].status for i in (0, 1)] == ["compiled", "compiled"]
     assert {name.split("/")[2] for name, _ in cluster.ran} == {"farm_cpu_x86_64"}
+
+
+def _jobs_on(cluster: FakeCluster, warm: WarmWorkers, *jobs: list[Unit]) -> list[dict[str, UnitResult]]:
+    """Jobs one after another on one cluster, as a zoo run without a service runs its groups."""
+    out = []
+    for i, units in enumerate(jobs):
+        runner = WorkerPool(PoolConfig(), job_id=f"job{i}", cluster=cluster, warm=warm)
+        out.append({u.unit_id: r for u, r in runner(units, store=_NoStore(), events=NoEvents())})
+    return out
+
+
+def test_a_drivers_next_job_runs_on_the_workers_its_last_job_left_and_renews_their_children():
+    cluster, warm = FakeCluster(), WarmWorkers("zoo-run")
+    first, second = _jobs_on(cluster, warm, _units(4), _units(3))
+    assert all(r.status == "compiled" for r in [*first.values(), *second.values()])
+    assert cluster.started == 2 and warm.reused == 2  # the second job started none
+    assert sorted(cluster.rested) == [0, 0, 1, 1]  # each job's children replaced before the next job's units
+    assert cluster.stopped == [] and len(warm) == 2  # kept for the next job: the owner stops them
+    assert all(name.startswith("zoo-run/farm-worker/farm_cpu_avx2/") for name in cluster.names)
+    assert len(set(cluster.names)) == 2  # Ray's names are unique while a kept worker lives
+
+
+def test_kept_workers_the_next_job_cannot_use_are_stopped_as_it_starts_its_own():
+    """Another device class (or placement, device or store): never given a unit of the wrong
+    kind, and not left holding Ray's resources while the new job's workers wait for them."""
+    cluster, warm = FakeCluster(), WarmWorkers("zoo-run")
+    cluster.offers = {"CPU": 2.0, "farm_cpu_avx2": 2.0, "farm_cpu_x86_64": 2.0}
+    stops = []
+    cluster.stop = lambda actors: stops.append(sorted(a["id"] for a in actors))
+    _jobs_on(cluster, warm, _units(2, isa="avx2"), _units(2, isa="x86-64"))
+    assert cluster.started == 4 and warm.reused == 0
+    assert stops[:2] == [[], []] and stops[2] == [0, 1]  # the avx2 pair, once the x86-64 pair was asked for
+    assert {name.split("/")[2] for name, label in cluster.ran if label == "aoti-cpu:x86-64"} == {"farm_cpu_x86_64"}
+
+
+def test_a_worker_that_died_or_a_job_broken_off_leaves_nothing_kept():
+    cluster, warm = FakeCluster(runs=lambda unit, n: "die" if unit.graph == "g0" and n == 1 else "ok"), WarmWorkers("r")
+    _jobs_on(cluster, warm, _units(2))
+    assert cluster.killed == [0] or cluster.killed == [1]  # the worker that died was replaced, not kept
+    assert len(warm) == 2 and cluster.killed[0] not in [a["id"] for a in warm.close()]
+    runner = WorkerPool(PoolConfig(), job_id="broken-off", cluster=cluster, warm=warm)
+    results = runner(_units(2), store=_NoStore(), events=NoEvents())
+    next(results)
+    results.close()  # the driver stopped following it (Ctrl-C, an error of its own)
+    assert len(warm) == 0 and len(cluster.stopped) == 2
 
 
 def test_run_tasks_refuses_a_function_its_workers_cannot_import_by_name():
