@@ -20,11 +20,13 @@ from workers.unit import Unit, UnitLimits, UnitResult
 class CompileWorker:
     """One per slot; runs units one at a time for as long as the job lasts."""
 
-    def __init__(self, store_uri: str, limits: UnitLimits, device: str, lowers: bool = False):
+    def __init__(self, store_uri: str, limits: UnitLimits, device: str, lowers: bool = False,
+                 imports: tuple[str, ...] = ()):
         tempdirs.sweep_orphans()  # what a killed predecessor on this host left behind
         self.store = store_from_uri(store_uri, CacheConfig.from_env())  # a local disk tier per node
         self.where = f"{socket.gethostname()}/node-{ray.get_runtime_context().get_node_id()[:8]}/pid-{os.getpid()}"
-        self.sandbox = Sandbox(lowers=lowers)  # warm across units; replaced after a unit that failed in it
+        # warm across units; replaced after a unit that failed in it; `imports`: its placement's warm_imports
+        self.sandbox = Sandbox(lowers=lowers, imports=imports)
         self.sandbox.prestart(limits, device)  # its zygote imports torch while the pool starts
         # what the host's CPU runs (asked of Inductor once per host, seconds of probe builds): learnt
         # while the child starts, and before the first unit's clock starts

@@ -57,15 +57,16 @@ class RayCluster:
     def start(self, name: str, placement: Placement, store_uri: str, limits: UnitLimits, device: str,
               beside: bool = False, lowers: bool = False) -> Any:
         self.up()
+        args = (store_uri, limits, device, lowers, placement.warm_imports)
         if beside:  # a burst worker (scheduler/shared_pool.py): Ray accounts none of the node's CPUs to it
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and
                      all(n["Resources"].get(r, 0) >= q for r, q in placement.resources.items())]
             if not nodes:
                 raise RuntimeError(f"no node offers {placement.resources}")
             return _RemoteWorker.options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=(
-                NodeAffinitySchedulingStrategy(nodes[0], soft=False))).remote(store_uri, limits, device, lowers)
+                NodeAffinitySchedulingStrategy(nodes[0], soft=False))).remote(*args)
         return _RemoteWorker.options(name=name, namespace=NAMESPACE, num_cpus=placement.cpus, num_gpus=placement.gpus,
-                                     resources=placement.resources).remote(store_uri, limits, device, lowers)
+                                     resources=placement.resources).remote(*args)
 
     def ready(self, actor: Any) -> Any:
         return actor.warm.remote()

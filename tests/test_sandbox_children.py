@@ -322,3 +322,27 @@ def test_once_a_child_has_lowered_its_zygote_warms_the_lowering_for_the_next_job
             sandbox.call("identify", workdir, UnitLimits(), time.monotonic() + 120, unit=unit,
                          program=shutil.copy(zoo_dir / "mlp.pt2", workdir))
         assert _parent(sandbox.pid) == zygote and "warmed the lowering" in log.read_text()
+
+
+def test_a_workers_placement_imports_name_what_its_zygote_imports_before_every_child(zoo_dir, tmp_path):
+    """An ExecuTorch worker's children start with ExecuTorch's compiler and runtime imported by
+    their zygote (Placement.warm_imports), and lower .pte files there as any child does; a plain
+    sandbox's children start without them."""
+    pytest.importorskip("executorch")
+    from scheduler.jobs import run_units_in
+    from workers.backends import resolve
+    from workers.unit import Target
+
+    imports = resolve(Target("executorch", "portable")).placement(Target("executorch", "portable")).warm_imports
+    assert "executorch.runtime" in imports
+    job = parse_job({"name": "pte", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["executorch:portable"]})
+    with Sandbox(imports=imports) as warm, Sandbox() as plain:
+        for sandbox in (warm, plain):
+            sandbox.prestart(UnitLimits())
+            sandbox.wait_started()
+        mapped = {s: "executorch" in Path(f"/proc/{s.pid}/maps").read_text() for s in (warm, plain)}
+        assert mapped == {warm: True, plain: False}  # the runtime's native library, before any step
+        assert "imported executorch.exir" in warm._zygote_log.read_text()
+        outcome = execute(job, store_from_uri(str(tmp_path / "store")),
+                          lambda units, store, events: run_units_in(warm, units, store, events))
+        assert [r.status for r in outcome.results] == ["compiled"], [r.error for r in outcome.results]

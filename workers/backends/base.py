@@ -36,6 +36,10 @@ class Placement:
     # those of them a pool worker is placed to take: it holds one of each of their resources too,
     # so it runs only where all are offered (scheduler/pool.py sets it)
     holding: tuple[str, ...] = ()
+    # modules its workers' sandbox zygotes import before they fork a child, so that no child pays
+    # them in its first unit (a farm service's worker forks one per job): for a class whose workers
+    # build only its backend's targets, whose imports then meet no other backend's lowering
+    warm_imports: tuple[str, ...] = ()
 
     @property
     def resources(self) -> dict[str, float]:

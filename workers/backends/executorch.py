@@ -106,6 +106,13 @@ def load_pte(artifact: Path, ep: ExportedProgram | None = None) -> Callable[...,
     return run
 
 
+# ExecuTorch's compiler, the XNNPACK partitioner, the .pte reader and the runtime: 4-5 CPU-s of
+# imports beyond a sandbox child's own (torchao's among them), which its workers' zygotes import
+# ahead (Placement.warm_imports); no other backend's unit runs on those workers.
+WARM_IMPORTS = ("executorch.exir", "executorch.backends.xnnpack.partition.xnnpack_partitioner",
+                "executorch.exir._serialize._program", "executorch.runtime")
+
+
 class ExecuTorch:
     name = "executorch"
     weights_in_code = True  # a .pte holds its weights as constants
@@ -142,7 +149,8 @@ class ExecuTorch:
         return tools
 
     def placement(self, target: Target) -> Placement:
-        return Placement(RESOURCE, unoffered=f"targets executorch:* need the executorch extra on a node: {INSTALL}")
+        return Placement(RESOURCE, unoffered=f"targets executorch:* need the executorch extra on a node: {INSTALL}",
+                         warm_imports=WARM_IMPORTS)
 
     def offers(self, slots: int) -> dict[str, float]:
         return {RESOURCE: float(slots)} if installed() else {}

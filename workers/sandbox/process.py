@@ -73,13 +73,15 @@ class Sandbox:
     jailed (workers/sandbox/jail.py) unless FARM_SANDBOX says otherwise. `network=True` is for a
     gang's children, whose collectives need the host's network. `lowers=True`: its children will
     lower (a service's worker back after a gang lent its CPU), so its zygote warms the lowering
-    before its first child, not only once a child has lowered."""
+    before its first child, not only once a child has lowered. `imports`: modules its zygote imports
+    before its first fork, for every child (a worker's Placement.warm_imports)."""
 
     zygote_module = "workers.sandbox.zygote"  # a test's own stands in for it (tests/poisoned_zygote.py)
 
-    def __init__(self, network: bool = False, lowers: bool = False) -> None:
+    def __init__(self, network: bool = False, lowers: bool = False, imports: tuple[str, ...] = ()) -> None:
         self.network = network
         self._lowers = lowers
+        self._imports = tuple(imports)
         self.isolation: jail.Isolation | None = None  # decided when the first child starts
         self._proc: subprocess.Popen | None = None  # the zygote (in a jail: bubblewrap)
         self._zygote_host_pid: int | None = None  # the zygote's own pid on the host, once looked up
@@ -203,7 +205,8 @@ class Sandbox:
         startup_log = home / ".startup.log"  # where the child's output goes until its first step
         requests, give_requests = os.pipe()
         read, write = os.pipe()
-        request = {"limits": asdict(limits), "home": str(home), "log": str(startup_log), "warm_lowering": self._lowered}
+        request = {"limits": asdict(limits), "home": str(home), "log": str(startup_log), "warm_lowering": self._lowered,
+                   "imports": list(self._imports)}
         try:
             socket.send_fds(self._zygote[0], [json.dumps(request).encode()], [requests, write])
         except OSError:  # the zygote is gone: _wait_ready says so, with its start-up log

@@ -23,7 +23,7 @@ reply pipe has no reader) is answered {"exited": 0} alone, and nothing is forked
 the worker closes the socket, and dies with the worker. A record with "warm_lowering" (a child of
 this zygote has lowered) has it first do, once, what a process's first lowering does beyond the
 imports (steps.warm_up_lowering), so that its later children lower their first unit as fast as
-their next.
+their next; one with "imports" (the worker's Placement.warm_imports) has it import those, once.
 
 A CUDA zygote must not initialize CUDA, or no child forked from it can use it: its environment
 has torch ask NVML instead (process.Sandbox._start_zygote), and a child that finds CUDA unusable
@@ -123,6 +123,24 @@ def _warm_lowering() -> None:
           file=sys.stderr, flush=True)
 
 
+def _import_ahead(modules: list[str]) -> None:
+    """The modules the worker's placement names (Placement.warm_imports: ExecuTorch's, on a worker
+    that builds only .pte files), once, before the first fork: every child then starts with them."""
+    import importlib
+
+    from workers.frozen_heap import heap_frozen_after
+
+    began = time.perf_counter()
+    with heap_frozen_after():
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 (an extra not installed: its child says so as it lowers)
+                print(f"sandbox zygote: not imported ahead: {name} ({type(e).__name__}: {e})", file=sys.stderr)
+    print(f"sandbox zygote: imported {', '.join(modules)} for its children in {time.perf_counter() - began:.1f} s",
+          file=sys.stderr, flush=True)
+
+
 def main() -> None:
     control, device = socket.socket(fileno=int(sys.argv[1])), sys.argv[2]
     from workers.sandbox import child
@@ -135,7 +153,7 @@ def main() -> None:
     warmed_s = time.perf_counter() - began
     print(f"sandbox zygote: imported what a step needs in {warmed_s:.1f} s; its {gc.get_freeze_count():,} objects "
           "are frozen, so no collection of its children walks them", file=sys.stderr, flush=True)
-    lowering_warmed = False
+    lowering_warmed = imported = False
     while True:
         try:
             record, fds, _, _ = socket.recv_fds(control, MAX_RECORD, 2)
@@ -147,6 +165,9 @@ def main() -> None:
         if request.get("warm_lowering") and not lowering_warmed:
             _warm_lowering()
             lowering_warmed = True
+        if request.get("imports") and not imported:
+            _import_ahead(list(request["imports"]))
+            imported = True
         if _abandoned(fds[1]):
             for fd in fds:
                 os.close(fd)
