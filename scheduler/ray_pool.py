@@ -23,14 +23,15 @@ from scheduler.gang_actor import GangMember
 from scheduler.gang_warm import WarmRanks
 from scheduler.pool import POLL_S, WORKER_GRACE_S, PoolConfig, WorkerPool, _failed
 from scheduler.ray_actors import CompileWorker
-from scheduler.warm_workers import WarmWorkers
 from scheduler.ray_session import NAMESPACE
+from scheduler.warm_workers import WarmWorkers
 from storage import Store
 from workers.backends import LoweringError, Placement, resolve
 from workers.sandbox import tempdirs
 from workers.unit import Gang, Unit, UnitLimits, UnitResult
 
-__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "close_ranks", "close_workers"]
+__all__ = ["CompileWorker", "GangMember", "GangRunner", "PoolConfig", "RayCluster", "RayRunner", "close_ranks",
+           "close_workers"]
 
 CLOSE_S = 5.0  # idle actors asked to close at the end of a job answer within this; then they are killed
 
