@@ -38,7 +38,7 @@ class WarmWorkers:
         self.owner = owner  # kept workers are named for it, not for the job that started them
         self._idle: list[tuple[Any, Shape]] = []
         self._names = itertools.count()
-        self.started = self.reused = 0
+        self.reused = 0  # workers a job took instead of starting one
 
     def take(self, shape: Shape) -> Any | None:
         """An idle worker of that shape, or None: the caller starts one (named `new_name`)."""
@@ -50,7 +50,6 @@ class WarmWorkers:
         return None
 
     def new_name(self, resource: str) -> str:
-        self.started += 1
         return f"{self.owner}/farm-worker/{resource}/{next(self._names)}"
 
     def keep(self, actor: Any, shape: Shape) -> None:

@@ -106,7 +106,7 @@ def load_pte(artifact: Path, ep: ExportedProgram | None = None) -> Callable[...,
     return run
 
 
-# ExecuTorch's compiler, the XNNPACK partitioner, the .pte reader and the runtime: 4-5 CPU-s of
+# ExecuTorch's compiler, the XNNPACK partitioner, the .pte reader and the runtime: 1.3 CPU-s of
 # imports beyond a sandbox child's own (torchao's among them), which its workers' zygotes import
 # ahead (Placement.warm_imports); no other backend's unit runs on those workers.
 WARM_IMPORTS = ("executorch.exir", "executorch.backends.xnnpack.partition.xnnpack_partitioner",

@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -297,6 +297,16 @@ def warm_up() -> None:
     import torch.utils.cpp_extension  # noqa: F401
 
 
+def import_ahead(names: Sequence[str]) -> None:
+    """Import each module now, for the children a zygote forks after; one that fails (another
+    torch version, an extra not installed) is said, and left to the step that needs it."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001
+            print(f"sandbox warm-up: not imported ahead: {name} ({type(e).__name__}: {e})", file=sys.stderr)
+
+
 def warm_up_lowering() -> None:
     """What a process's first lowering does beyond warm_up's imports (0.5 CPU-s here, 0.9 s of a
     job's first unit): import Inductor's code generators and sympy's modules, trace Inductor's
@@ -304,11 +314,7 @@ def warm_up_lowering() -> None:
     children fork with it done (workers/sandbox/zygote.py). Nothing here starts a thread or
     leaves a lock its children would share. It only saves children work: should another torch
     version lack or break any of it, a child does it as its first lowering would."""
-    for name in FIRST_LOWERING_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001
-            print(f"sandbox warm-up: not imported ahead: {name} ({type(e).__name__}: {e})", file=sys.stderr)
+    import_ahead(FIRST_LOWERING_IMPORTS)
     try:
         _register_inductor_patterns()
     except Exception as e:  # noqa: BLE001

@@ -39,6 +39,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import Callable
 
 MAX_RECORD = 1 << 16
 
@@ -113,32 +114,27 @@ def _warm_lowering() -> None:
     """Once a child of ours has lowered, this zygote will likely fork more that lower (a worker's
     next jobs): what a process's first lowering does beyond the imports (steps.warm_up_lowering)
     is done here, once, for all of them. A zygote whose children only name programs never pays it."""
-    from workers.frozen_heap import heap_frozen_after
     from workers.sandbox.steps import warm_up_lowering
 
-    began = time.perf_counter()
-    with heap_frozen_after():
-        warm_up_lowering()
-    print(f"sandbox zygote: warmed the lowering for the next children in {time.perf_counter() - began:.1f} s",
-          file=sys.stderr, flush=True)
+    _ahead(warm_up_lowering, "warmed the lowering for the next children")
 
 
 def _import_ahead(modules: list[str]) -> None:
     """The modules the worker's placement names (Placement.warm_imports: ExecuTorch's, on a worker
     that builds only .pte files), once, before the first fork: every child then starts with them."""
-    import importlib
+    from workers.sandbox.steps import import_ahead
 
+    _ahead(lambda: import_ahead(modules), f"imported {', '.join(modules)} for its children")
+
+
+def _ahead(work: Callable[[], None], done: str) -> None:
+    """Work done for the children to come, with its heap frozen after (workers/frozen_heap.py)."""
     from workers.frozen_heap import heap_frozen_after
 
     began = time.perf_counter()
     with heap_frozen_after():
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception as e:  # noqa: BLE001 (an extra not installed: its child says so as it lowers)
-                print(f"sandbox zygote: not imported ahead: {name} ({type(e).__name__}: {e})", file=sys.stderr)
-    print(f"sandbox zygote: imported {', '.join(modules)} for its children in {time.perf_counter() - began:.1f} s",
-          file=sys.stderr, flush=True)
+        work()
+    print(f"sandbox zygote: {done} in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
 
 
 def main() -> None:
