@@ -171,24 +171,6 @@ def test_a_later_gang_of_the_same_shape_runs_on_the_warm_ranks_of_an_earlier_one
     assert gang_ranks() == warm and call(find_service(), "load")["gang_ranks"]["reused"] >= 2
 
 
-def test_a_killed_scheduler_resumes_its_jobs_and_compiles_nothing_twice(service, ray_cluster, zoo_dir):
-    graphs = ["mlp", "cnn", "encoder_block", "gpt"]
-    handle = client.submit(_job(zoo_dir, graphs, "survivor", target="executorch:portable"), address=ray_cluster.address,
-                           wait=False)
-    deadline = time.monotonic() + 300
-    while handle.status().get("compiled", 0) + handle.status().get("hit", 0) < 1:
-        assert time.monotonic() < deadline, "no unit ended"
-        time.sleep(0.3)
-    before = set(handle.store.manifest_keys())
-    ray.kill(find_service(), no_restart=False)  # as a crash would; Ray restarts it
-    assert _wait(handle)["state"] == "done"
-    rows = read_results(handle.store, handle.job_id)
-    assert sorted(r["graph"] for r in rows) == sorted(graphs)  # one result per unit
-    assert all(r["status"] in ("compiled", "hit") for r in rows), [r["error"] for r in rows]
-    assert all(r["status"] == "hit" for r in rows if r["key"] in before), rows
-    assert handle.job_id in call(find_service(), "ping")["resumed"]
-
-
 def test_cancel_stops_a_job_and_leaves_nothing_half_published(service, ray_cluster, zoo_dir):
     graphs = ["mlp", "cnn", "encoder_block", "gpt"]
     handle = client.submit(_job(zoo_dir, graphs, "cancelled", target="aoti-cpu:x86-64"), address=ray_cluster.address,
@@ -461,3 +443,23 @@ def test_the_services_metrics_reach_prometheus_and_its_dashboard_names_only_them
             seen |= {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"^(ray_farm_\w+)", text, re.M)}
         time.sleep(1)
     assert wanted <= seen, seen
+
+
+# Last in the module: Ray ends the scheduler's workers with it, so the tests after it would
+# start theirs cold again.
+def test_a_killed_scheduler_resumes_its_jobs_and_compiles_nothing_twice(service, ray_cluster, zoo_dir):
+    graphs = ["mlp", "cnn", "encoder_block", "gpt"]
+    handle = client.submit(_job(zoo_dir, graphs, "survivor", target="executorch:portable"), address=ray_cluster.address,
+                           wait=False)
+    deadline = time.monotonic() + 300
+    while handle.status().get("compiled", 0) + handle.status().get("hit", 0) < 1:
+        assert time.monotonic() < deadline, "no unit ended"
+        time.sleep(0.3)
+    before = set(handle.store.manifest_keys())
+    ray.kill(find_service(), no_restart=False)  # as a crash would; Ray restarts it
+    assert _wait(handle)["state"] == "done"
+    rows = read_results(handle.store, handle.job_id)
+    assert sorted(r["graph"] for r in rows) == sorted(graphs)  # one result per unit
+    assert all(r["status"] in ("compiled", "hit") for r in rows), [r["error"] for r in rows]
+    assert all(r["status"] == "hit" for r in rows if r["key"] in before), rows
+    assert handle.job_id in call(find_service(), "ping")["resumed"]
