@@ -26,13 +26,13 @@ STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "st
 
 # (kind, what its command line holds), first match wins; a zygote's children carry its command line,
 # and a Ray worker's names its raylet
-KINDS = (("C++ compiler", ("cc1plus",)), ("linker and assembler", ("collect2", "/ld ", "as --")),
+KINDS = (("C++ compiler", ("cc1plus",)), ("linker and assembler", ("collect2", "/ld ", "/as ")),
          ("zygote", ("workers.sandbox.zygote",)), ("Ray worker", ("default_worker.py",)),
          ("Ray daemons", ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet", "gcs_server", "dashboard",
                           "log_monitor", "monitor.py", "runtime_env")),
          ("Ray worker", ("ray::",)), ("jail (bwrap)", ("bwrap",)), ("ccache and g++ drivers", ("ccache", "g++")),
-         ("SeaweedFS", ("weed ",)), ("pytest workers", ("exec(eval(sys.stdin",)), ("farm CLI", ("-m farm", "bin/farm ")),
-         ("python -c", (" -c ",)))
+         ("SeaweedFS", ("weed ",)), ("pytest workers", ("exec(eval(sys.stdin",)), ("pytest's main process", ("-m pytest",)),
+         ("farm CLI", ("-m farm", "bin/farm ")), ("the tests' own scripts", ("/tests/",)), ("python -c", (" -c ",)))
 
 
 def machine() -> dict[str, float]:
@@ -90,6 +90,8 @@ class Sampler:
 
 def kind(entry: dict, seen: dict) -> str:
     cmd = entry["cmd"]
+    if cmd.split(" ", 1)[0].rsplit("/", 1)[-1] in ("as", "ld", "collect2"):
+        cmd = "/" + cmd  # the binutils, named by their path or not
     if not cmd:
         return "kernel threads, and processes gone before their command line was read"
     for name, marks in KINDS:
