@@ -7,13 +7,21 @@ import socket
 from pathlib import Path
 
 
+CPU_TIMES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times() -> dict[str, float]:
+    """The machine's core-seconds so far in each of /proc/stat's first eight states."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return {name: v / os.sysconf("SC_CLK_TCK") for name, v in zip(CPU_TIMES, fields)}
+
+
 def busy_core_seconds() -> float:
     """Core-seconds this machine has spent busy so far, every process's (/proc/stat): a jailed
     sandbox's compilers are reaped in their own pid namespace, out of RUSAGE_CHILDREN's sight,
     and a farm's work runs in Ray's processes, not the benchmark's."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    times = cpu_times()
+    return sum(times.values()) - times["idle"] - times["iowait"]
 
 
 def process_core_seconds(root: int | None = None) -> dict[int, float]:

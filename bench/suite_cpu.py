@@ -21,32 +21,24 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.machine import CPU_TIMES, cpu_times  # noqa: E402  (the repo's root is on sys.path now)
+from tests.sockets import process_table  # noqa: E402
+
 TICK = os.sysconf("SC_CLK_TCK")
-STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+# the compilers, by program name: binutils' command lines may or may not hold their path
+PROGRAMS = {"cc1plus": "C++ compiler", "as": "linker and assembler", "ld": "linker and assembler",
+            "collect2": "linker and assembler"}
 
 # (kind, what its command line holds), first match wins; a zygote's children carry its command line,
 # and a Ray worker's names its raylet
-KINDS = (("C++ compiler", ("cc1plus",)), ("linker and assembler", ("collect2", "/ld ", "/as ")),
-         ("zygote", ("workers.sandbox.zygote",)), ("Ray worker", ("default_worker.py",)),
+KINDS = (("zygote", ("workers.sandbox.zygote",)), ("Ray worker", ("default_worker.py",)),
          ("Ray daemons", ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet", "gcs_server", "dashboard",
                           "log_monitor", "monitor.py", "runtime_env")),
          ("Ray worker", ("ray::",)), ("jail (bwrap)", ("bwrap",)), ("ccache and g++ drivers", ("ccache", "g++")),
          ("SeaweedFS", ("weed ",)), ("pytest workers", ("exec(eval(sys.stdin",)), ("pytest's main process", ("-m pytest",)),
          ("farm CLI", ("-m farm", "bin/farm ")), ("the tests' own scripts", ("/tests/",)), ("python -c", (" -c ",)))
-
-
-def machine() -> dict[str, float]:
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return {name: v / TICK for name, v in zip(STAT_FIELDS, values)}
-
-
-def _read(pid: str) -> tuple[int, float, float] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = stat[stat.rindex(")") + 2:].split()
-    return int(rest[1]), int(rest[11]) / TICK, int(rest[12]) / TICK  # ppid, utime, stime
 
 
 def _cmdline(pid: str) -> str:
@@ -77,23 +69,22 @@ class Sampler:
             self._scan(already=False)
 
     def _scan(self, already: bool) -> None:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            read = _read(pid)
-            if read is None:
-                continue
+        for number, fields in process_table().items():
+            pid, ppid, user, sys_ = str(number), int(fields[1]), int(fields[11]) / TICK, int(fields[12]) / TICK
             entry = self.seen.get(pid)
-            if entry is None or entry["ppid"] != read[0]:  # new, or the pid was reused
-                entry = self.seen[pid] = {"ppid": read[0], "cmd": _cmdline(pid), "user0": read[1] if already else 0.0,
-                                          "sys0": read[2] if already else 0.0}
-            entry["user"], entry["sys"] = read[1], read[2]
+            if entry is None or entry["ppid"] != ppid:  # new, or the pid was reused
+                entry = self.seen[pid] = {"ppid": ppid, "cmd": _cmdline(pid), "user0": user if already else 0.0,
+                                          "sys0": sys_ if already else 0.0}
+            entry["user"], entry["sys"] = user, sys_
 
 
 def kind(entry: dict, seen: dict) -> str:
     cmd = entry["cmd"]
-    if cmd.split(" ", 1)[0].rsplit("/", 1)[-1] in ("as", "ld", "collect2"):
-        cmd = "/" + cmd  # the binutils, named by their path or not
     if not cmd:
         return "kernel threads, and processes gone before their command line was read"
+    program = PROGRAMS.get(Path(cmd.split(" ", 1)[0]).name)
+    if program is not None:
+        return program
     for name, marks in KINDS:
         if any(m in cmd for m in marks):
             if name == "zygote" and "workers.sandbox.zygote" in seen.get(str(entry["ppid"]), {}).get("cmd", ""):
@@ -103,7 +94,7 @@ def kind(entry: dict, seen: dict) -> str:
 
 
 def report(seen: dict, began: dict, ended: dict, wall: float) -> dict:
-    window = {k: ended[k] - began[k] for k in STAT_FIELDS}
+    window = {k: ended[k] - began[k] for k in CPU_TIMES}
     busy = sum(v for k, v in window.items() if k not in ("idle", "iowait"))
     kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"processes": 0, "user": 0.0, "sys": 0.0})
     for entry in seen.values():
@@ -125,10 +116,10 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
-    began, t0 = machine(), time.monotonic()
+    began, t0 = cpu_times(), time.monotonic()
     with Sampler(args.every) as sampler:
         status = subprocess.call(" ".join(command), shell=True)
-    figures = report(sampler.seen, began, machine(), time.monotonic() - t0)
+    figures = report(sampler.seen, began, cpu_times(), time.monotonic() - t0)
     m = figures["machine"]
     print(f"{' '.join(command)}: exit {status}, {figures['wall_s']:.0f} s; the machine: busy {m['busy']:.0f} core-s, "
           f"idle {m['idle'] + m['iowait']:.0f} (user {m['user']:.0f}, nice {m['nice']:.0f}, system {m['system']:.0f})")
