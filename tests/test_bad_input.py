@@ -256,8 +256,11 @@ def test_ctrl_c_ends_an_in_process_job_as_cancelled_with_nothing_half_published(
 
     store_dir = tmp_path / "store"
     graphs = [str(zoo_dir / f"{name}.pt2") for name in ("gpt", "encoder_block", "cnn", "mlp")]
+    # Ctrl-C as a terminal delivers it: a suite started in the background (`cmd &` in a script)
+    # inherits SIGINT ignored, and Python then never installs its handler in the farm process
     proc = subprocess.Popen([sys.executable, "-m", "farm", "compile", *graphs, "--store", str(store_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline, running = time.monotonic() + 120, []
         while not running:  # a unit in flight, by the job's record
