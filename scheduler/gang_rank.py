@@ -71,7 +71,7 @@ class GangRank:
         timeout = gang.collective_timeout_s
         try:
             store = self.rendezvous or open_store(address[0], address[1], False, timeout)
-            comm = GangComm(store, self.rank, gang.world_size, timeout)
+            comm = GangComm(store, self.rank, gang.world_size, timeout, gang.ranks[self.rank].limits.timeout_s)
             try:
                 result = run_rank(comm, gang, self.own, self.store, self.sandbox, self.host, self.tmp, self.early)
             finally:

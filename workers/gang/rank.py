@@ -81,8 +81,13 @@ class GangComm:
     """The gang actors' process group (gloo: what they exchange is small and lives on the CPU,
     whatever device the ranks compile for) and the store it was formed through."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, start_s: float):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        # Every rank first waits for the others to arrive, with the unit's timeout (start_s): the ranks
+        # after rank 0 start at nice 19 while it compiles, and on a busy node their start (torch's
+        # import) took longer than the collective timeout, which the group's forming would have had
+        self.await_posts([f"arrived/{r}" for r in range(world_size)], start_s, "the gang's other ranks to start",
+                         post=f"arrived/{rank}")
         dist.init_process_group("gloo", store=dist.PrefixStore("compiler", store), rank=rank, world_size=world_size,
                                 timeout=dt.timedelta(seconds=timeout_s))
 
@@ -105,9 +110,11 @@ class GangComm:
     def post(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
 
-    def await_posts(self, keys: list[str], timeout_s: float, what: str) -> list[Any]:
-        """Values other ranks post when a long phase (a compile) ends: waited for with the unit's
-        timeout, not the collective one."""
+    def await_posts(self, keys: list[str], timeout_s: float, what: str, post: str | None = None) -> list[Any]:
+        """Values other ranks post when a long phase (a compile, their start) ends: waited for with
+        the unit's timeout, not the collective one; `post`, this rank's own, set first."""
+        if post is not None:
+            self.post(post, True)
         try:
             self.store.wait(keys, dt.timedelta(seconds=timeout_s))
         except RuntimeError as e:  # DistStoreError: the timeout passed, or the store's host died
