@@ -25,7 +25,7 @@ the same order, so each collective meets all ranks:
    children form their own process group, against its program run eagerly over the same group;
    the verdicts are all-gathered and nothing is published unless every rank's artifact verified.
 
-Waiting while leaders compile uses the gang's store with the unit's timeout; every collective
+Waiting for the ranks to start and while leaders compile uses the gang's store with the unit's timeout; every collective
 has the gang's collective timeout, so a rank that dies or hangs fails the gang, never hangs it.
 """
 from __future__ import annotations
@@ -86,8 +86,8 @@ class GangComm:
         # Every rank first waits for the others to arrive, with the unit's timeout (start_s): the ranks
         # after rank 0 start at nice 19 while it compiles, and on a busy node their start (torch's
         # import) took longer than the collective timeout, which the group's forming would have had
-        self.await_posts([f"arrived/{r}" for r in range(world_size)], start_s, "the gang's other ranks to start",
-                         post=f"arrived/{rank}")
+        self.post(f"arrived/{rank}", True)
+        self.await_posts([f"arrived/{r}" for r in range(world_size)], start_s, "the gang's other ranks to start")
         dist.init_process_group("gloo", store=dist.PrefixStore("compiler", store), rank=rank, world_size=world_size,
                                 timeout=dt.timedelta(seconds=timeout_s))
 
@@ -110,11 +110,9 @@ class GangComm:
     def post(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
 
-    def await_posts(self, keys: list[str], timeout_s: float, what: str, post: str | None = None) -> list[Any]:
+    def await_posts(self, keys: list[str], timeout_s: float, what: str) -> list[Any]:
         """Values other ranks post when a long phase (a compile, their start) ends: waited for with
-        the unit's timeout, not the collective one; `post`, this rank's own, set first."""
-        if post is not None:
-            self.post(post, True)
+        the unit's timeout, not the collective one."""
         try:
             self.store.wait(keys, dt.timedelta(seconds=timeout_s))
         except RuntimeError as e:  # DistStoreError: the timeout passed, or the store's host died
