@@ -70,6 +70,7 @@ class _Slot:
     retries: int = 0
     future: object = None
     started: float = 0.0
+    done_at: float = 0.0  # when its last unit ended (0: it ran none this job)
     taken_from: str | None = None  # the class whose queue its unit came from (its own, or one it covers)
 
     @property
@@ -183,7 +184,7 @@ class WorkerPool:
         """Stop the job's workers; with `warm`, keep those idle and healthy after a job that ran
         to its end, their sandbox children replaced for the next job."""
         kept = [s for s in self.slots if ended and self.warm is not None and s.ready is None and s.future is None]
-        for slot in kept:
+        for slot in sorted(kept, key=lambda s: -s.done_at):  # the next job takes the last busy first (WarmWorkers.take)
             self.cluster.rest(slot.actor)
             self.warm.keep(slot.actor, self._shape(slot.resource))
         self.cluster.stop([slot.actor for slot in self.slots if slot not in kept])
@@ -291,6 +292,7 @@ class WorkerPool:
                     try:
                         result = self.cluster.get(slot.future)
                         slot.unit = slot.future = None
+                        slot.done_at = now
                     except DIED as e:
                         self._restart(slot)
                         if retries < self.config.retries:

@@ -41,7 +41,9 @@ class WarmWorkers:
         self.reused = 0  # workers a job took instead of starting one
 
     def take(self, shape: Shape) -> Any | None:
-        """An idle worker of that shape, or None: the caller starts one (named `new_name`)."""
+        """An idle worker of that shape, or None: the caller starts one (named `new_name`). The
+        first kept goes first: the pool keeps the last busy first, so a job smaller than the one
+        before runs on the workers that ran its units, and one that got none is what is stopped."""
         for i, (actor, kept) in enumerate(self._idle):
             if kept == shape:
                 del self._idle[i]

@@ -230,6 +230,34 @@ def test_a_drivers_next_job_runs_on_the_workers_its_last_job_left_and_renews_the
     assert len(set(cluster.names)) == 2  # Ray's names are unique while a kept worker lives
 
 
+class _StartsLate:
+    """A worker's start that ends once `when()` holds (Future's fields, `done` asked each time)."""
+
+    def __init__(self, value: Any, when: Callable[[], bool]):
+        self.value, self.error, self._when = value, None, when
+
+    @property
+    def done(self) -> bool:
+        return self._when()
+
+
+def test_a_smaller_next_job_takes_the_worker_that_ran_the_last_jobs_units_and_stops_the_idle_one():
+    """Worker 0 starts only after worker 1 took both units: it ends the job idle. The next job,
+    of one unit, runs on worker 1 (the one the last job's results name), and worker 0 is stopped."""
+    cluster, warm = FakeCluster(), WarmWorkers("zoo-run")
+    fake_ready = cluster.ready
+    cluster.ready = lambda actor: (_StartsLate(actor["id"], lambda: len(cluster.ran) >= 2) if actor["id"] == 0
+                                   else fake_ready(actor))
+    stops = []
+    cluster.stop = lambda actors: stops.append(sorted(a["id"] for a in actors))
+    _jobs_on(cluster, warm, _units(2), _units(1))
+    first, second = cluster.ran[:2], cluster.ran[2:]
+    assert {name for name, _ in first} == {"zoo-run/farm-worker/farm_cpu_avx2/1"}, cluster.ran
+    assert [name for name, _ in second] == ["zoo-run/farm-worker/farm_cpu_avx2/1"], cluster.ran
+    assert cluster.started == 2 and warm.reused == 1
+    assert stops == [[], [], [0], []]  # per job: what it did not take as it started, what it did not keep
+
+
 def test_kept_workers_the_next_job_cannot_use_are_stopped_as_it_starts_its_own():
     """Another device class (or placement, device or store): never given a unit of the wrong
     kind, and not left holding Ray's resources while the new job's workers wait for them."""
