@@ -15,13 +15,16 @@ against a serial process whose cache holds what the same warm-up job left (probe
     .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64] [--units] [--service] [--trials 3]
 
 Prints serial_time / (W × farm_time); the goal is ≥ 0.95 for W=2 and ≥ 8 units. Then where each
-side's core-seconds went, phase by phase, and what the farm paid beyond the serial side. Then
+side's core-seconds went, phase by phase, and what the farm paid beyond the serial side, and the
+C++ compiler's share: the same compiles on both sides, AOTInductor's wrapper (about 4.5 s of cc1plus
+each) most of a unit's lowering, and each slower when two run at once on 2 cores. Then
 the like-for-like ratios again, `--trials` times in all (each pair fresh), and their median: on
 2 cores one run's ratio varied from 0.87 to 0.99 on the served service (2026-11-27).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,12 +32,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from bench.machine import busy_core_seconds, process_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
+from bench.suite_cpu import Sampler, kind  # noqa: E402
+
+COMPILES: dict[str, tuple[float, int]] = {}  # a side's window → the C++ compiler's core-seconds and runs in it
 
 SERIAL = """
 import json, sys
@@ -92,8 +98,9 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
                         ",".join(targets), *warm_up], check=True, env=env, cwd=PROJECT, stdout=subprocess.DEVNULL)
     code = SERIAL.replace("STORE", repr(str(root / "store")))
     t0, cpu0 = time.perf_counter(), busy_core_seconds()
-    done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
-                          cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    with _compiles(root.name):
+        done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
+                              cwd=PROJECT, stdout=subprocess.PIPE, text=True)
     return time.perf_counter() - t0, busy_core_seconds() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
 
 
@@ -154,6 +161,7 @@ def main() -> None:
     farm = _split(f"farm ({args.workers} workers)", farm_s, args.workers, farm_timings)
     print(f"{'farm - serial probed':<22}" + "".join(f"{farm[k] - probed[k]:9.1f}" for k in probed)
           + f"{args.workers * farm_s - probed_s:9.1f}")
+    _compiler_time("cold", "serial-probed", "farm")
     if args.service:
         warm_graphs = _warm_up_graphs(root, args.workers)
         warmed_s, _, warmed_timings = _serial(root / "serial-warmed", targets, graphs, probed=True, warm_up=warm_graphs)
@@ -168,6 +176,7 @@ def main() -> None:
         service = _split(f"service ({args.workers} workers)", service_s, args.workers, service_timings)
         print(f"{'service - serial warmed':<22}" + "".join(f"{service[k] - warmed[k]:9.1f}" for k in warmed)
               + f"{args.workers * service_s - warmed_s:9.1f}")
+        _compiler_time("on the served service", "serial-warmed", f"{root.name}-service")
         print(f"farm service ({args.workers} workers), after one other job: {service_s:7.1f} s  "
               f"(fresh store and Inductor cache, its warm-up job's compiles in it: the precompiled headers and ISA "
               f"probes were built there; the like-for-like serial side is the one after the same warm-up job)")
@@ -181,6 +190,26 @@ def main() -> None:
               f"(goal >= 0.95)")
     _more_trials(args, root, graphs, targets, [probed_s / (args.workers * farm_s)],
                  served_first if args.service else [])
+
+
+@contextlib.contextmanager
+def _compiles(window: str) -> Iterator[None]:
+    """Every C++ compile (cc1plus) run in the block, jailed or not, into COMPILES[window]: read
+    every 0.2 s, so a run shorter than that is missed (both figures are lower bounds)."""
+    with Sampler(0.2) as sampler:
+        yield
+    spent = [e["user"] + e["sys"] - e["user0"] - e["sys0"] for e in sampler.seen.values()
+             if kind(e, sampler.seen) == "C++ compiler"]
+    COMPILES[window] = (sum(spent), sum(1 for c in spent if c > 0))
+
+
+def _compiler_time(label: str, serial: str, farm: str) -> None:
+    """The C++ compiler's work on both sides: the same compiles, and what each cost; on 2 cores
+    two at once (the farm's W=2) take longer each than one at a time (the serial side's)."""
+    (s_cpu, s_runs), (f_cpu, f_runs) = COMPILES[serial], COMPILES[farm]
+    print(f"the C++ compiler (cc1plus, lower bounds), {label}: serial {s_cpu:.1f} core-s in {s_runs} runs, farm "
+          f"{f_cpu:.1f} in {f_runs} ({(f_cpu / s_cpu - 1) * 100:+.0f} %; per run {s_cpu / max(s_runs, 1):.2f} vs "
+          f"{f_cpu / max(f_runs, 1):.2f} s)")
 
 
 def _compiler_cache(side: str, results: list[Any]) -> None:
@@ -210,7 +239,8 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
     with ray_session(None, slots=workers):
         t0, cpu0, before = time.perf_counter(), busy_core_seconds(), process_core_seconds()
         runner = RayRunner(PoolConfig(workers=workers))
-        outcome = execute(job, store_from_uri(str(root / "store")), runner)
+        with _compiles(root.name):
+            outcome = execute(job, store_from_uri(str(root / "store")), runner)
         wall_s, cpu_s, after = time.perf_counter() - t0, busy_core_seconds() - cpu0, process_core_seconds()
     bad = [r.error for r in outcome.results if r.status != "compiled"]
     assert not bad, bad
@@ -227,6 +257,7 @@ def _more_trials(args: argparse.Namespace, root: Path, graphs: list[str], target
         farm_s = _farm(root / f"farm-{trial}", graphs, targets, args.workers)[0]
         cold.append(probed_s / (args.workers * farm_s))
         print(f"trial {trial}: serial, host probed {probed_s:.1f} s, farm {farm_s:.1f} s", flush=True)
+        _compiler_time(f"trial {trial}, cold", f"serial-probed-{trial}", f"farm-{trial}")
         if args.service:
             warm_graphs = _warm_up_graphs(root / f"warm-{trial}", args.workers)
             warmed_s, _, _ = _serial(root / f"serial-warmed-{trial}", targets, graphs, probed=True, warm_up=warm_graphs)
@@ -234,6 +265,7 @@ def _more_trials(args: argparse.Namespace, root: Path, graphs: list[str], target
             served.append(warmed_s / (args.workers * service_s))
             print(f"trial {trial}: serial after the warm-up job {warmed_s:.1f} s, served service {service_s:.1f} s",
                   flush=True)
+            _compiler_time(f"trial {trial}, served", f"serial-warmed-{trial}", f"served-{trial}-service")
     for label, ratios, goal in (("cold, host probed on both sides", cold, 0.90), ("on the served service", served, 0.95)):
         if ratios:
             print(f"like for like {label}, {len(ratios)} trials: {', '.join(f'{r:.2f}' for r in ratios)}; "
@@ -274,7 +306,8 @@ def _on_a_served_service(root: Path, graphs: list[str], targets: list[str], warm
                 return time.perf_counter() - t0, handle.outcome.results
 
             run({"name": "warm-up", "graphs": warm_graphs, "targets": targets})
-            return run({"name": "fanout", "graphs": graphs, "targets": targets})
+            with _compiles(f"{root.name}-service"):
+                return run({"name": "fanout", "graphs": graphs, "targets": targets})
         finally:
             stop_service()
 
