@@ -195,7 +195,8 @@ def main() -> None:
 @contextlib.contextmanager
 def _compiles(window: str) -> Iterator[None]:
     """Every C++ compile (cc1plus) run in the block, jailed or not, into COMPILES[window]: read
-    every 0.2 s, so a run shorter than that is missed (both figures are lower bounds)."""
+    every 0.2 s, so a run shorter than that is missed (both figures are lower bounds); the reads
+    cost both sides alike, a little of one core."""
     with Sampler(0.2) as sampler:
         yield
     spent = [e["user"] + e["sys"] - e["user0"] - e["sys0"] for e in sampler.seen.values()
@@ -208,7 +209,7 @@ def _compiler_time(label: str, serial: str, farm: str) -> None:
     two at once (the farm's W=2) take longer each than one at a time (the serial side's)."""
     (s_cpu, s_runs), (f_cpu, f_runs) = COMPILES[serial], COMPILES[farm]
     print(f"the C++ compiler (cc1plus, lower bounds), {label}: serial {s_cpu:.1f} core-s in {s_runs} runs, farm "
-          f"{f_cpu:.1f} in {f_runs} ({(f_cpu / s_cpu - 1) * 100:+.0f} %; per run {s_cpu / max(s_runs, 1):.2f} vs "
+          f"{f_cpu:.1f} in {f_runs} ({(f_cpu / max(s_cpu, 1e-9) - 1) * 100:+.0f} %; per run {s_cpu / max(s_runs, 1):.2f} vs "
           f"{f_cpu / max(f_runs, 1):.2f} s)")
 
 
