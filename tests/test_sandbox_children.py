@@ -346,3 +346,27 @@ def test_a_workers_placement_imports_name_what_its_zygote_imports_before_every_c
         outcome = execute(job, store_from_uri(str(tmp_path / "store")),
                           lambda units, store, events: run_units_in(warm, units, store, events))
         assert [r.status for r in outcome.results] == ["compiled"], [r.error for r in outcome.results]
+
+
+def test_an_unjailed_childs_precompiled_headers_go_to_its_nodes_dir(monkeypatch, tmp_path, zoo_dir):
+    """Inductor keeps its precompiled headers in its default dir (the host's /tmp) whatever
+    TORCHINDUCTOR_CACHE_DIR says. A jailed child's default dir is the node's, bound in; an unjailed
+    child keeps them in the node's dir too, which FARM_NODE_CACHE names where it is set (a pod's
+    cache volume, so a restarted pod builds none again; a bench's fresh node per side)."""
+    from scheduler.jobs import run_units_in
+    from workers.sandbox.env import HOST_RECORDS, node_dir
+
+    hosts = node_dir() / HOST_RECORDS  # this host's records of Inductor's ISA probes, where made: not this test's subject
+    monkeypatch.setenv("FARM_SANDBOX", "process")
+    monkeypatch.setenv("FARM_NODE_CACHE", str(tmp_path / "node"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    if hosts.is_dir():
+        shutil.copytree(hosts, node_dir() / HOST_RECORDS, ignore=shutil.ignore_patterns("*.lock"))
+    job = parse_job({"name": "headers", "graphs": [str(zoo_dir / "mlp.pt2")], "targets": ["aoti-cpu:x86-64"]})
+    with Sandbox() as sandbox:
+        outcome = execute(job, store_from_uri(str(tmp_path / "store")),
+                          lambda units, store, events: run_units_in(sandbox, units, store, events))
+        assert sandbox.isolation is not None and not sandbox.jailed
+    assert [r.status for r in outcome.results] == ["compiled"], [r.error for r in outcome.results]
+    headers = [h for h in (tmp_path / "node").rglob("precompiled_headers/*.h.gch") if h.stat().st_size > 0]
+    assert headers, f"no precompiled header under {tmp_path / 'node'}: the child built them elsewhere"

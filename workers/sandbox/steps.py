@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -282,7 +283,8 @@ def warm_up() -> None:
     """Imports every step needs, paid once by the sandbox's zygote (workers/sandbox/zygote.py),
     whose children are forked with them: a lowering's modules too (Inductor's compiler, its
     passes and code generators, Dynamo's), which a child's first lowering would otherwise import.
-    Imports only: nothing here starts a thread or a process, so the zygote forks safely."""
+    Imports only, and where Inductor keeps its precompiled headers: nothing here starts a thread
+    or a process, so the zygote forks safely."""
     import torch._dynamo  # noqa: F401
     import torch._export.serde.serialize  # noqa: F401
     import torch._functorch.aot_autograd  # noqa: F401
@@ -295,6 +297,25 @@ def warm_up() -> None:
     import torch._inductor.select_algorithm  # noqa: F401
     import torch.export.pt2_archive._package  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401
+
+    headers_in_the_nodes_dir()
+
+
+def headers_in_the_nodes_dir() -> None:
+    """Inductor keeps its precompiled headers (about 5 CPU-s of g++ each, two per ISA) in its default
+    cache dir whatever TORCHINDUCTOR_CACHE_DIR says (codecache._HEADER_DIR, set as it is imported).
+    A jailed child's default dir is where its worker bound the node's in (env.jailed_env), and so is
+    FARM_SHARED_CACHE. An unjailed child's default dir is the host's temp dir's, which is not the
+    node's where FARM_NODE_CACHE names another (a pod's cache volume, which a restarted pod keeps; a
+    bench's fresh node per side): there its headers were built again after every pod restart, and a
+    bench's "cold" side found the other side's. So a child keeps them in the dir its worker said, the
+    node's, jailed or not."""
+    from torch._inductor import codecache
+
+    node = os.environ.get("FARM_SHARED_CACHE")
+    if node and hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        codecache._HEADER_DIR = os.path.join(node, "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
 
 
 def import_ahead(names: Sequence[str]) -> None:
