@@ -17,6 +17,7 @@ from workers.sandbox import compiler_cache
 
 PROJECT = Path(__file__).resolve().parents[2]
 HOST_RECORDS = "farm-host-checks"  # in shared_cache_dir(): what workers and children learnt of the node
+HEADERS = "precompiled_headers"  # beside them: Inductor's (steps.headers_in_the_nodes_dir)
 COMPILER_CACHE = "compiler-cache"  # in node_dir(): ccache's (workers/sandbox/compiler_cache.py)
 
 # Passed to the child; everything else in the environment is dropped.
@@ -86,7 +87,7 @@ def node_dir() -> Path:
 
 def header_dir() -> Path:
     """Where a jailed child's Inductor keeps its precompiled headers: the node's (`node_dir`)."""
-    return node_dir() / "precompiled_headers"
+    return node_dir() / HEADERS
 
 
 def childrens(cache: Path) -> Path:
@@ -160,7 +161,7 @@ def jailed_env(env: dict[str, str]) -> tuple[dict[str, str], list[tuple[Path, Pa
     inside = Path("/tmp") / f"torchinductor_{user}"
     binds.append((Path(env["TORCHINDUCTOR_CACHE_DIR"]), inside))
     node = node_dir()  # (made writable for the children once, not per dir bound from it)
-    for name in ("precompiled_headers", HOST_RECORDS):
+    for name in (HEADERS, HOST_RECORDS):
         for made in (node / name, Path(env["TORCHINDUCTOR_CACHE_DIR"]) / name):  # the mount point too
             made.mkdir(parents=True, exist_ok=True)
             jail.make_writable(made)

@@ -28,7 +28,7 @@ from workers.errors import summary
 from workers.gang.steps import GangSteps, gang_facts
 from workers.sandbox import compiler_cache
 from workers.sandbox.archive import ArchiveLimits, GiB, HostileArchive, check_archive
-from workers.sandbox.env import environ_set
+from workers.sandbox.env import HEADERS, environ_set
 from workers.sandbox.program import ProgramError, load_program, program_identity, weights_digest
 from workers.trace import torch_trace
 from workers.unit import Unit
@@ -313,8 +313,8 @@ def headers_in_the_nodes_dir() -> None:
     from torch._inductor import codecache
 
     node = os.environ.get("FARM_SHARED_CACHE")
-    if node and hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
-        codecache._HEADER_DIR = os.path.join(node, "precompiled_headers")
+    if node and hasattr(codecache, "_HEADER_DIR"):  # (another torch may keep them otherwise: left as it is)
+        codecache._HEADER_DIR = os.path.join(node, HEADERS)
         codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
 
 
