@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from scheduler.compile_size import graph_bytes
 from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
 from storage.store import blob_path
@@ -66,6 +67,18 @@ def _ingested(store: Store, source: str) -> tuple[BlobRef | None, str | None]:
         return None, str(e)
 
 
+def stored_graph_bytes(store: Store, ref: BlobRef | None) -> int | None:
+    """The ingested program's graphs' bytes (scheduler/compile_size.py), read from the end of its
+    blob in the store, wherever it came from; None, and the pool goes by its size, where the read
+    fails."""
+    if ref is None:
+        return None
+    try:
+        return graph_bytes(lambda n: store.backend.read_tail(blob_path(ref.digest), n), ref.size)
+    except StoreError:
+        return None
+
+
 def plan_gangs(job: JobSpec, store: Store) -> list[Gang]:
     """Every multi-rank model becomes one gang per target: a unit per rank, compiled together."""
     verify = VerifyPolicy(job.verify.atol, job.verify.rtol, job.verify.extra_sizes)
@@ -106,6 +119,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
     for graph in job.graphs:
         source = job.resolve(graph)
         ref, error = _ingested(store, source)
+        size = stored_graph_bytes(store, ref) if len(job.graphs) > 1 else None  # (one graph: nothing to order)
         label = _unique(graph.label, seen)
         for t in job.targets:
             unit = Unit(
@@ -119,6 +133,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
                 bench=bench,
                 limits=_limits(job, t),
                 lease_ttl_s=job.limits.lease_s,
+                graph_bytes=size,
             )
             units.extend(_candidates(unit, t) if t.autotune else [unit])
     return units

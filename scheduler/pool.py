@@ -13,8 +13,9 @@ The rules, and their tests without a cluster (tests/test_pool.py):
   covering class, so a job's mix of ISAs shares its workers instead of idling one per class;
 - a worker takes from its own class and those it covers the one with the fewest units running
   (a cold node's compile headers, one per ISA, are then built side by side, not in turn);
-- a class's units go out largest program first (a rough proxy for the longest compile), so
-  what is left at the end are small units that fill the gaps instead of one long one;
+- a class's units go out largest graph first (a rough proxy for the longest compile: its
+  serialized graphs' bytes, not its weights; Unit.compile_size), so what is left at the end are
+  small units that fill the gaps instead of one long one;
 - every unit is reported exactly once;
 - a driver that runs jobs one after another may keep their idle workers for the next
   (`WorkerPool.warm`, scheduler/warm_workers.py): a worker that died or was busy is never kept.
@@ -159,7 +160,7 @@ class WorkerPool:
                 events.finished(p.unit, result)
                 yield p.unit, result
         for resource, queued in queues.items():  # largest first: the small ones left fill the gaps at the end
-            queues[resource] = collections.deque(sorted(queued, key=lambda p: -p.unit.program.size))
+            queues[resource] = collections.deque(sorted(queued, key=lambda p: -p.unit.compile_size))
         nodes = self.cluster.nodes()  # a worker takes a class it covers only where a node offers both
         self._covers = {r: {c for c in self._placements[r][0].covers if c in queues and any(r in n and c in n for n in nodes)}
                         for r in queues}

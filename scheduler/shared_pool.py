@@ -138,7 +138,7 @@ class SharedPool(BurstWorkers, GangHolds):
             self.fair.add(job_id, priority, cap)
         job.total += len(units)
         # largest first: a job's small units fill the gaps at its end, not a large one alone after them
-        for unit in sorted(units, key=lambda u: -_size(u)):
+        for unit in sorted(units, key=lambda u: -u.compile_size):
             placement = _route(unit)
             if placement is None:  # cannot be placed anywhere: the pipeline says why, at once
                 job.outbox.put(("unplaceable", unit, None))
@@ -290,7 +290,7 @@ class SharedPool(BurstWorkers, GangHolds):
             return None
         running = collections.Counter(s.taken_from for s in self.slots if s.future is not None)
         firsts = {c: p for c in classes if (p := next((p for p in self.queues.get(c, ()) if p.job == job), None))}
-        chosen = min(firsts, key=lambda c: (-_size(firsts[c].unit), running[c], c != slot.resource))
+        chosen = min(firsts, key=lambda c: (-firsts[c].unit.compile_size, running[c], c != slot.resource))
         self.queues[chosen].remove(firsts[chosen])
         slot.taken_from = chosen
         return firsts[chosen]
@@ -460,10 +460,6 @@ class SharedPool(BurstWorkers, GangHolds):
                                              f"{self.config.start_attempts} times in a row; the last said: {error}",
                                     retryable=True))
         self._failed_starts[slot.resource] = 0
-
-
-def _size(unit: Unit) -> int:
-    return unit.program.size if unit.program else 0
 
 
 def _cancelled(unit: Unit, why: str, running: bool) -> UnitResult:

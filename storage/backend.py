@@ -46,6 +46,9 @@ class Backend(Protocol):
     def read(self, path: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
 
+    def read_tail(self, path: str, n: int) -> bytes | None:
+        """The object's last `n` bytes (all of it when shorter), or None if it does not exist."""
+
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
         """Write atomically. With if_absent, return False (and write nothing) if it exists."""
 

@@ -74,6 +74,15 @@ class LocalBackend:
             except FileNotFoundError:
                 return None
 
+    def read_tail(self, path: str, n: int) -> bytes | None:
+        with self._failing_as_store("read", path, writing=False):
+            try:
+                with open(self._path(path), "rb") as f:
+                    f.seek(max(0, f.seek(0, os.SEEK_END) - n))
+                    return f.read(n)
+            except FileNotFoundError:
+                return None
+
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
         def fill(tmp: Path) -> None:
             with open(tmp, "wb") as f:

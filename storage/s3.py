@@ -108,6 +108,10 @@ class S3Backend:
         return self._call("read", path, lambda: self._client.get_object(
             Bucket=self.bucket, Key=self._key(path))["Body"].read(), missing=None)
 
+    def read_tail(self, path: str, n: int) -> bytes | None:
+        return self._call("read", path, lambda: self._client.get_object(  # (a suffix range: all of a shorter one)
+            Bucket=self.bucket, Key=self._key(path), Range=f"bytes=-{n}")["Body"].read(), missing=None)
+
     def write(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
         if if_absent:
             self._require_conditional_writes()

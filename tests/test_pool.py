@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -183,6 +184,46 @@ def test_a_class_s_largest_programs_go_out_first():
     results = _run(cluster, units)
     assert all(r.status == "compiled" for r in results.values())
     assert list(cluster.attempts) == ["g1@aoti-cpu:avx2", "g2@aoti-cpu:avx2", "g0@aoti-cpu:avx2"]  # submission order
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_zoo_jobs_units_go_out_largest_graph_first_not_largest_archive(zoo_dir, where, request, tmp_path):
+    """Planned from real exports into a real store (SeaweedFS too, through the planner's read of a
+    blob's end): the mlp's archive is larger than the cnn's (its weights), its graph smaller, and
+    it lowers faster; the pool goes by the graphs' bytes that each archive's directory declares,
+    for a graph named by path and for one a client uploaded first (blob://, a service's jobs)."""
+    from scheduler.plan import plan
+    from scheduler.spec import parse_job
+    from storage import store_from_uri
+
+    store = store_from_uri(request.getfixturevalue(f"{where}_uri"))
+    models = ("mlp", "cnn", "encoder_block", "gpt")
+    declared = {m: sum(i.file_size for i in zipfile.ZipFile(zoo_dir / f"{m}.pt2").infolist()
+                       if i.filename.endswith(".json") and "/models/" in i.filename) for m in models}
+    for named in ({m: str(zoo_dir / f"{m}.pt2") for m in models},
+                  {m: f"blob://sha256/{store.put_file(zoo_dir / f'{m}.pt2').digest}" for m in models}):
+        units = plan(parse_job({"name": "zoo", "graphs": [{"path": named[m], "name": m} for m in models],
+                                "targets": ["aoti-cpu:avx2"]}), store)
+        by = {u.graph: u for u in units}
+        assert {m: by[m].graph_bytes for m in models} == declared
+        assert by["mlp"].program.size > by["cnn"].program.size and by["mlp"].compile_size < by["cnn"].compile_size
+        cluster = FakeCluster()
+        _run(cluster, units)
+        assert [a.split("@")[0] for a in cluster.attempts] == ["gpt", "encoder_block", "cnn", "mlp"]
+
+
+def test_an_archive_whose_directory_cannot_be_read_from_its_end_gets_no_estimate(zoo_dir):
+    """Junk, a cut archive, or a directory larger than the reads: no estimate (the pool then
+    goes by the program's size), and nothing raised."""
+    from scheduler.compile_size import graph_bytes
+
+    whole = (zoo_dir / "gpt.pt2").read_bytes()
+    assert graph_bytes(lambda n: whole[-n:], len(whole)) > 0
+    assert graph_bytes(lambda n: whole[:-100][-n:], len(whole) - 100) is None  # its end cut off
+    assert graph_bytes(lambda n: whole[-min(n, 50):], len(whole)) is None  # the reads hold no directory
+    assert graph_bytes(lambda n: b"not a zip" * 100, 900) is None
+    assert graph_bytes(lambda n: None, len(whole)) is None  # gone from the store
+    assert graph_bytes(lambda n: b"", 0) is None
 
 
 def test_a_worker_takes_a_covered_isa_only_where_its_node_offers_it():

@@ -47,6 +47,13 @@ def test_missing_blob_is_an_error_not_empty_bytes(store):
         store.get_bytes("0" * 64)
 
 
+def test_the_end_of_a_blob_is_read_alone_and_a_short_or_missing_one_whole_or_none(store):
+    ref = store.put_bytes(bytes(range(256)) * 4)
+    assert store.backend.read_tail(blob_path(ref.digest), 10) == bytes(range(246, 256))
+    assert store.backend.read_tail(blob_path(ref.digest), 5000) == bytes(range(256)) * 4  # (S3: a suffix range)
+    assert store.backend.read_tail(blob_path("0" * 64), 10) is None
+
+
 def test_manifest_is_published_once(store):
     ref = store.put_bytes(b"artifact")
     first = {"key": "k1", "blobs": {"artifact": ref.to_dict()}, "n": 1}

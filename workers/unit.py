@@ -111,10 +111,19 @@ class Unit:
     # (`<input>.<dim>`, lowest, highest or None) and example inputs of these sizes (`<input>.<dim>`, size)
     agreed_dims: tuple[tuple[str, int, int | None], ...] = ()
     agreed_sizes: tuple[tuple[str, int], ...] = ()
+    graph_bytes: int | None = None  # its program's serialized graphs, without weights (scheduler/compile_size.py)
 
     @property
     def unit_id(self) -> str:
         return f"{self.graph}@{self.target.label}"
+
+    @property
+    def compile_size(self) -> int:
+        """What the pools send a class's units out by, largest first: its graphs' bytes where its
+        archive said, else the whole program's (weights too: it then goes out early, the safe side)."""
+        if self.graph_bytes is not None:
+            return self.graph_bytes
+        return self.program.size if self.program else 0
 
     @property
     def agreed(self) -> tuple:
