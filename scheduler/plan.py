@@ -119,7 +119,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
     for graph in job.graphs:
         source = job.resolve(graph)
         ref, error = _ingested(store, source)
-        size = stored_graph_bytes(store, ref) if len(job.graphs) > 1 else None  # (one graph: nothing to order)
+        estimate = stored_graph_bytes(store, ref) if len(job.graphs) > 1 else None  # (one graph: nothing to order)
         label = _unique(graph.label, seen)
         for t in job.targets:
             unit = Unit(
@@ -133,7 +133,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
                 bench=bench,
                 limits=_limits(job, t),
                 lease_ttl_s=job.limits.lease_s,
-                graph_bytes=size,
+                graph_bytes=estimate,
             )
             units.extend(_candidates(unit, t) if t.autotune else [unit])
     return units
