@@ -10,8 +10,10 @@ slow one while the other worker idled (bench/fanout.py --units)."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import zipfile
+from pathlib import Path
 from typing import Callable
 
 # the end of an archive read for its directory: first enough for a few hundred entries, then for
@@ -23,50 +25,34 @@ GRAPH_ENTRY = re.compile(r"[^/]+/models/[^/]+\.json")
 
 def graph_bytes(read_tail: Callable[[int], bytes | None], size: int) -> int | None:
     """The bytes its directory declares for the archive's serialized graphs, or None where the
-    end read holds no directory (not a zip, or a directory larger than TAILS) or it names none."""
+    end read holds no directory (not a zip, or a directory larger than TAILS) or it names none.
+    zipfile reads an archive's end alone as one with data before it (a self-extracting zip's):
+    the directory is found from the end, and one that starts before the end read is refused."""
     for n in TAILS if size > 0 else ():
         tail = read_tail(min(n, size))
         if tail is None:
             return None
         try:
-            with zipfile.ZipFile(_Tail(tail, size)) as zf:
+            with zipfile.ZipFile(io.BytesIO(tail)) as zf:
                 declared = [i.file_size for i in zf.infolist() if GRAPH_ENTRY.fullmatch(i.filename)]
             return sum(declared) if declared else None
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        except (zipfile.BadZipFile, ValueError, EOFError):
             if n >= size:
                 return None  # the whole archive was read: not one
     return None
 
 
-class _Tail(io.RawIOBase):
-    """A file of `size` bytes of which only the last len(tail) are at hand: enough for zipfile to
-    read the directory at the end; a read before them fails (OSError: no estimate)."""
+def file_graph_bytes(path: Path) -> int | None:
+    """The same for a file at hand (a graph being ingested), so that nothing is read back from the
+    store; None too where the file cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
 
-    def __init__(self, tail: bytes, size: int):
-        super().__init__()
-        self._tail, self._size, self._at = tail, size, 0
+            def tail(n: int) -> bytes:
+                f.seek(size - n)
+                return f.read(n)
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        at = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence] + offset
-        if at < 0:
-            raise OSError("seek before the start of the archive")
-        self._at = at
-        return at
-
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
-        start = self._at - (self._size - len(self._tail))
-        if start < 0:
-            raise OSError("a read before the part of the archive at hand")
-        data = self._tail[start:start + len(buffer)]
-        buffer[:len(data)] = data
-        self._at += len(data)
-        return len(data)
+            return graph_bytes(tail, size)
+    except OSError:
+        return None

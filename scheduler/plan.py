@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from scheduler.compile_size import graph_bytes
+from scheduler.compile_size import file_graph_bytes, graph_bytes
 from scheduler.spec import BLOB_SCHEME, JobSpec, SpecError, TargetSpec
 from storage import BlobRef, Store, StoreError, download_uri
 from storage.store import blob_path
@@ -17,10 +17,13 @@ from workers.sandbox import tempdirs
 from workers.unit import BenchPolicy, Gang, Target, Unit, UnitLimits, VerifyPolicy
 
 
-def ingest(store: Store, source: str) -> BlobRef:
-    """Put a graph file (local path or URI) into the store; raise with a message for people."""
+def ingest(store: Store, source: str, estimate: bool = False) -> tuple[BlobRef, int | None]:
+    """Put a graph file (local path or URI) into the store; raise with a message for people. With
+    `estimate`, also its graphs' bytes (scheduler/compile_size.py), read from the file at hand, or,
+    for a blob a client uploaded, from the end of the blob in the store; else None."""
     if source.startswith(BLOB_SCHEME):
-        return stored_blob(store, source)
+        ref = stored_blob(store, source)
+        return ref, stored_graph_bytes(store, ref) if estimate else None
     if "://" in source and not source.startswith("file://"):
         with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("ingest")) as tmp:
             local = Path(tmp) / "graph.pt2"
@@ -28,13 +31,13 @@ def ingest(store: Store, source: str) -> BlobRef:
                 download_uri(source, local)
             except (FileNotFoundError, StoreError, ValueError) as e:
                 raise FileNotFoundError(f"cannot fetch {source}: {e}") from e
-            return store.put_file(local)
+            return store.put_file(local), file_graph_bytes(local) if estimate else None
     path = Path(source.removeprefix("file://"))
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; check the path (relative paths start at the job file)")
     if path.is_dir():
         raise FileNotFoundError(f"{path} is a directory; name the .pt2 file written by torch.export.save")
-    return store.put_file(path)
+    return store.put_file(path), file_graph_bytes(path) if estimate else None
 
 
 def stored_blob(store: Store, source: str) -> BlobRef:
@@ -60,19 +63,16 @@ def _limits(job: JobSpec, t: TargetSpec) -> UnitLimits:
                       archive_gb=lim.archive_gb)
 
 
-def _ingested(store: Store, source: str) -> tuple[BlobRef | None, str | None]:
+def _ingested(store: Store, source: str, estimate: bool = False) -> tuple[BlobRef | None, int | None, str | None]:
     try:
-        return ingest(store, source), None
+        return *ingest(store, source, estimate), None
     except (OSError, StoreError) as e:
-        return None, str(e)
+        return None, None, str(e)
 
 
-def stored_graph_bytes(store: Store, ref: BlobRef | None) -> int | None:
-    """The ingested program's graphs' bytes (scheduler/compile_size.py), read from the end of its
-    blob in the store, wherever it came from; None, and the pool goes by its size, where the read
-    fails."""
-    if ref is None:
-        return None
+def stored_graph_bytes(store: Store, ref: BlobRef) -> int | None:
+    """A stored program's graphs' bytes, read from the end of its blob; None, and the pool goes
+    by its size, where the read fails."""
     try:
         return graph_bytes(lambda n: store.backend.read_tail(blob_path(ref.digest), n), ref.size)
     except StoreError:
@@ -86,7 +86,7 @@ def plan_gangs(job: JobSpec, store: Store) -> list[Gang]:
     gangs: list[Gang] = []
     for spec in job.gangs:
         sources = [job.resolve(p) for p in spec.paths()]
-        programs = [_ingested(store, source) for source in sources]
+        programs = [(ref, error) for ref, _, error in (_ingested(store, source) for source in sources)]
         for t in job.targets:
             target = _target(t, job)
             mismatch = _device_mismatch(target, spec.device, spec.name)
@@ -118,8 +118,7 @@ def plan(job: JobSpec, store: Store) -> list[Unit]:
     seen: set[str] = set()
     for graph in job.graphs:
         source = job.resolve(graph)
-        ref, error = _ingested(store, source)
-        estimate = stored_graph_bytes(store, ref) if len(job.graphs) > 1 else None  # (one graph: nothing to order)
+        ref, estimate, error = _ingested(store, source, estimate=len(job.graphs) > 1)  # (one graph: nothing to order)
         label = _unique(graph.label, seen)
         for t in job.targets:
             unit = Unit(
