@@ -12,7 +12,12 @@ with them made before its clock starts (like for like).
 `--service` also runs the job on a farm service that has served one job (small MLPs of its own),
 against a serial process whose cache holds what the same warm-up job left (probes, headers).
 
-    .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64] [--units] [--service] [--trials 3]
+`--ceiling` also times, each trial, the like-for-like serial side's units shared out between W
+plain processes at once (bench/parallel_ceiling.py): what this machine itself loses running W
+lowerings at once, which no farm wins back, the bound that sets, and the farm's ratio over it.
+
+    .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64] [--units] [--service] [--ceiling]
+                                     [--trials 3]
 
 Prints serial_time / (W × farm_time); the goal is ≥ 0.95 for W=2 and ≥ 8 units. Then where each
 side's core-seconds went, phase by phase, and what the farm paid beyond the serial side, and the
@@ -38,6 +43,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from bench.machine import busy_core_seconds, process_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
+from bench.parallel_ceiling import Ceiling, run_at_once  # noqa: E402
 from bench.suite_cpu import Sampler, kind  # noqa: E402
 
 COMPILES: dict[str, tuple[float, int]] = {}  # a side's window → the C++ compiler's core-seconds and runs in it
@@ -85,23 +91,41 @@ def _probe_host(env: dict[str, str]) -> None:
 
 def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
             warm_up: list[str] | None = None) -> tuple[float, float, list[dict]]:
-    """One fresh process compiling every unit in turn, in its own store and Inductor cache. With
-    `probed`, the host's ISA probes are in that cache before the clock starts, as the farm's node
-    made them in its own when its cluster started (like for like); without, the serial side makes
-    them in its window, as this bench has always measured it. With `warm_up`, a job of those
-    graphs ran in that cache first (in another process, its own store), as on the served service."""
+    """One fresh process compiling every unit in turn, in its own store and Inductor cache
+    (`_prepared`): its wall seconds, the machine's busy core-seconds, the units' timings."""
+    env = _prepared(root, targets, probed, warm_up)
+    t0, cpu0 = time.perf_counter(), busy_core_seconds()
+    with _compiles(root.name):
+        done = subprocess.run([sys.executable, "-c", _serial_code(str(root / "store")), ",".join(targets), *graphs],
+                              check=True, env=env, cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    return time.perf_counter() - t0, busy_core_seconds() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
+
+
+def _ceiling(root: Path, targets: list[str], graphs: list[str], workers: int,
+             warm_up: list[str] | None = None) -> Ceiling:
+    """The serial side's units shared out between W plain processes at once, on one machine's
+    caches prepared as the like-for-like serial side's (bench/parallel_ceiling.py)."""
+    env = _prepared(root, targets, True, warm_up)
+    return run_at_once(root, env, _serial_code, targets, graphs, workers)
+
+
+def _prepared(root: Path, targets: list[str], probed: bool, warm_up: list[str] | None) -> dict[str, str]:
+    """A serial side's environment: an Inductor cache and node dir of its own. With `probed`, the
+    host's ISA probes are in that cache before the clock starts, as the farm's node made them in
+    its own when its cluster started (like for like); without, the serial side makes them in its
+    window, as this bench has always measured it. With `warm_up`, a job of those graphs ran in
+    that cache first (in another process, its own store), as on the served service."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "cache"), "FARM_NODE_CACHE": str(root / "node")}
     if probed:
         _probe_host(env)
     if warm_up:
-        subprocess.run([sys.executable, "-c", SERIAL.replace("STORE", repr(str(root / "store-warm-up"))),
-                        ",".join(targets), *warm_up], check=True, env=env, cwd=PROJECT, stdout=subprocess.DEVNULL)
-    code = SERIAL.replace("STORE", repr(str(root / "store")))
-    t0, cpu0 = time.perf_counter(), busy_core_seconds()
-    with _compiles(root.name):
-        done = subprocess.run([sys.executable, "-c", code, ",".join(targets), *graphs], check=True, env=env,
-                              cwd=PROJECT, stdout=subprocess.PIPE, text=True)
-    return time.perf_counter() - t0, busy_core_seconds() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
+        subprocess.run([sys.executable, "-c", _serial_code(str(root / "store-warm-up")), ",".join(targets), *warm_up],
+                       check=True, env=env, cwd=PROJECT, stdout=subprocess.DEVNULL)
+    return env
+
+
+def _serial_code(store: str) -> str:
+    return SERIAL.replace("STORE", repr(store))
 
 
 def main() -> None:
@@ -113,6 +137,9 @@ def main() -> None:
                     help="runs of each like-for-like pair (the first one detailed); every ratio and the median")
     ap.add_argument("--service", action="store_true",
                     help="also the same job on a farm service that has already served one job (bench/shared.py's MLPs)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also, each trial, the serial side's units shared out between W plain processes at once: "
+                         "what this machine allows any W-worker farm (bench/parallel_ceiling.py)")
     args = ap.parse_args()
     isas = args.isa or ["avx2", "x86-64"]
     targets = [f"aoti-cpu:{i}" for i in isas]
@@ -162,6 +189,10 @@ def main() -> None:
     print(f"{'farm - serial probed':<22}" + "".join(f"{farm[k] - probed[k]:9.1f}" for k in probed)
           + f"{args.workers * farm_s - probed_s:9.1f}")
     _compiler_time("cold", "serial-probed", "farm")
+    ceilings: dict[str, list[float]] = {"cold": [], "served": []}
+    if args.ceiling:
+        _say_ceiling("cold", _ceiling(root / "ceiling", targets, graphs, args.workers), probed_s, probed_timings,
+                     probed_s / (args.workers * farm_s), ceilings["cold"])
     if args.service:
         warm_graphs = _warm_up_graphs(root, args.workers)
         warmed_s, _, warmed_timings = _serial(root / "serial-warmed", targets, graphs, probed=True, warm_up=warm_graphs)
@@ -188,8 +219,23 @@ def main() -> None:
               f"against the host-probed serial {probed_s / (args.workers * service_s):.2f}; like for like, against "
               f"the serial side after the same warm-up job, {warmed_s / (args.workers * service_s):.2f}  "
               f"(goal >= 0.95)")
+        if args.ceiling:
+            _say_ceiling("on the served service", _ceiling(root / "ceiling-warmed", targets, graphs, args.workers,
+                                                           warm_up=warm_graphs),
+                         warmed_s, warmed_timings, served_first[0], ceilings["served"])
     _more_trials(args, root, graphs, targets, [probed_s / (args.workers * farm_s)],
-                 served_first if args.service else [])
+                 served_first if args.service else [], ceilings)
+
+
+def _say_ceiling(label: str, ceiling: Ceiling, serial_s: float, serial_timings: list[dict], farm_ratio: float,
+                 kept: list[float]) -> None:
+    """The machine's bound beside the farm's like-for-like ratio, both against one serial side."""
+    serial_lower_s = sum(t.get("lower", 0.0) for t in serial_timings)
+    bound = ceiling.bound(serial_s, serial_lower_s)
+    kept.append(bound)
+    print(f"this machine's bound for a {len(ceiling.walls)}-worker farm, {label}: "
+          f"{ceiling.line(serial_s, serial_lower_s)}; the farm's like for like, {farm_ratio:.2f}, is "
+          f"{farm_ratio / bound:.2f} of the bound", flush=True)
 
 
 @contextlib.contextmanager
@@ -249,28 +295,42 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
 
 
 def _more_trials(args: argparse.Namespace, root: Path, graphs: list[str], targets: list[str],
-                 first: list[float], first_served: list[float]) -> None:
+                 first: list[float], first_served: list[float], ceilings: dict[str, list[float]]) -> None:
     """Trials 2..N of the like-for-like ratios (cold; served with --service), each side fresh, in
-    turn; every ratio and their median (one run's figure varies by 0.05 or more on 2 cores)."""
+    turn; every ratio and their median (one run's figure varies by 0.05 or more on 2 cores); with
+    --ceiling, the machine's own (bench/parallel_ceiling.py) beside each."""
     cold, served = list(first), list(first_served)
     for trial in range(2, args.trials + 1):
-        probed_s, _, _ = _serial(root / f"serial-probed-{trial}", targets, graphs, probed=True)
+        probed_s, _, probed_timings = _serial(root / f"serial-probed-{trial}", targets, graphs, probed=True)
         farm_s = _farm(root / f"farm-{trial}", graphs, targets, args.workers)[0]
         cold.append(probed_s / (args.workers * farm_s))
         print(f"trial {trial}: serial, host probed {probed_s:.1f} s, farm {farm_s:.1f} s", flush=True)
         _compiler_time(f"trial {trial}, cold", f"serial-probed-{trial}", f"farm-{trial}")
+        if args.ceiling:
+            _say_ceiling(f"cold, trial {trial}", _ceiling(root / f"ceiling-{trial}", targets, graphs, args.workers),
+                         probed_s, probed_timings, cold[-1], ceilings["cold"])
         if args.service:
             warm_graphs = _warm_up_graphs(root / f"warm-{trial}", args.workers)
-            warmed_s, _, _ = _serial(root / f"serial-warmed-{trial}", targets, graphs, probed=True, warm_up=warm_graphs)
+            warmed_s, _, warmed_timings = _serial(root / f"serial-warmed-{trial}", targets, graphs, probed=True,
+                                                  warm_up=warm_graphs)
             service_s = _on_a_served_service(root / f"served-{trial}", graphs, targets, warm_graphs, args.workers)[0]
             served.append(warmed_s / (args.workers * service_s))
             print(f"trial {trial}: serial after the warm-up job {warmed_s:.1f} s, served service {service_s:.1f} s",
                   flush=True)
             _compiler_time(f"trial {trial}, served", f"serial-warmed-{trial}", f"served-{trial}-service")
-    for label, ratios, goal in (("cold, host probed on both sides", cold, 0.90), ("on the served service", served, 0.95)):
+            if args.ceiling:
+                _say_ceiling(f"on the served service, trial {trial}",
+                             _ceiling(root / f"ceiling-warmed-{trial}", targets, graphs, args.workers,
+                                      warm_up=warm_graphs), warmed_s, warmed_timings, served[-1], ceilings["served"])
+    for label, ratios, goal, ceiling in (("cold, host probed on both sides", cold, 0.90, ceilings["cold"]),
+                                         ("on the served service", served, 0.95, ceilings["served"])):
         if ratios:
             print(f"like for like {label}, {len(ratios)} trials: {', '.join(f'{r:.2f}' for r in ratios)}; "
                   f"median {statistics.median(ratios):.2f}  (goal >= {goal})")
+        if ratios and ceiling:
+            print(f"  this machine's bound ({args.workers} lowerings at once, bench/parallel_ceiling.py), the same "
+                  f"trials: {', '.join(f'{c:.2f}' for c in ceiling)}; median {statistics.median(ceiling):.2f}; the "
+                  f"farm's ratio over it: {', '.join(f'{r / c:.2f}' for r, c in zip(ratios, ceiling))}")
 
 
 def _warm_up_graphs(root: Path, workers: int) -> list[str]:

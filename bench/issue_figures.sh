@@ -34,7 +34,7 @@ demo_twice() {  # issue 36: ./dev demo's second run, 8 s or less (the first one 
 py=.venv/bin/python
 echo "commit $(git rev-parse --short HEAD), $(date -u +%FT%TZ), $(nproc) cores" | tee -a "$log"
 step demo demo_twice
-step fanout $py bench/fanout.py --trials "$trials" --service
+step fanout $py bench/fanout.py --trials "$trials" --service --ceiling
 step shared $py bench/shared.py --trials "$trials"
 step gang $py bench/gang.py --pairs "$trials"
 step remote_cache $py bench/remote_cache.py --rank-trials "$trials" --stock-trials "$trials"
