@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -43,7 +42,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from bench.machine import busy_core_seconds, process_core_seconds  # noqa: E402  (the repo's root is on sys.path now)
-from bench.parallel_ceiling import Ceiling, run_at_once  # noqa: E402
+from bench.parallel_ceiling import Ceiling, lowered_s, printed_timings, run_at_once  # noqa: E402
 from bench.suite_cpu import Sampler, kind  # noqa: E402
 
 COMPILES: dict[str, tuple[float, int]] = {}  # a side's window → the C++ compiler's core-seconds and runs in it
@@ -98,7 +97,7 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
     with _compiles(root.name):
         done = subprocess.run([sys.executable, "-c", _serial_code(str(root / "store")), ",".join(targets), *graphs],
                               check=True, env=env, cwd=PROJECT, stdout=subprocess.PIPE, text=True)
-    return time.perf_counter() - t0, busy_core_seconds() - cpu0, json.loads(done.stdout.split("TIMINGS ", 1)[1])
+    return time.perf_counter() - t0, busy_core_seconds() - cpu0, printed_timings(done.stdout)
 
 
 def _ceiling(root: Path, targets: list[str], graphs: list[str], workers: int,
@@ -230,7 +229,7 @@ def main() -> None:
 def _say_ceiling(label: str, ceiling: Ceiling, serial_s: float, serial_timings: list[dict], farm_ratio: float,
                  kept: list[float]) -> None:
     """The machine's bound beside the farm's like-for-like ratio, both against one serial side."""
-    serial_lower_s = sum(t.get("lower", 0.0) for t in serial_timings)
+    serial_lower_s = lowered_s(serial_timings)
     bound = ceiling.bound(serial_s, serial_lower_s)
     kept.append(bound)
     print(f"this machine's bound for a {len(ceiling.walls)}-worker farm, {label}: "

@@ -4,8 +4,9 @@ machine's caches as the farm's workers share them (one Inductor cache dir, one n
 precompiled headers and the ISA probes). bench/fanout.py compares the farm with it, in the same
 run, against the same serial side.
 
-On 2 cores, two lowerings at once each take longer than one alone (the C++ compiler and Python
-share the cores' caches and memory bandwidth), and no scheduler can win that back. So:
+Where W lowerings at once each take longer than one alone (the C++ compiler and Python share the
+cores' caches and memory bandwidth), no scheduler can win that back; where they do not, the farm's
+gap is its own. So:
 - **the bound**: serial / (serial + what the same units' lowering took beyond the serial side's
   when W ran at once). A W-worker farm with nothing outside its units and a perfect split would
   reach it; it counts only the lowering's loss, not the other phases' (a few percent of a unit).
@@ -76,6 +77,16 @@ def run_at_once(root: Path, env: dict[str, str], code_for_store: Callable[[str],
                 if p.returncode != 0 or "TIMINGS " not in outs[i]:
                     raise SystemExit(f"a process of the parallel ceiling failed ({p.returncode}): {split[i]}")
         time.sleep(0.05)
-    lower = sum(t.get("lower", 0.0) for out in outs.values() for t in json.loads(out.split("TIMINGS ", 1)[1]))
+    lower = sum(lowered_s(printed_timings(out)) for out in outs.values())
     return Ceiling([walls[i] for i in range(len(procs))], [f"{', '.join(t)} x {len(g)} graphs" for t, g in split],
                    lower)
+
+
+def printed_timings(stdout: str) -> list[dict]:
+    """The units' timings a serial process printed (bench/fanout.py's SERIAL: TIMINGS and a JSON list)."""
+    return json.loads(stdout.split("TIMINGS ", 1)[1])
+
+
+def lowered_s(unit_timings: list[dict]) -> float:
+    """The units' lowering, added up."""
+    return sum(t.get("lower", 0.0) for t in unit_timings)
