@@ -12,9 +12,10 @@ with them made before its clock starts (like for like).
 `--service` also runs the job on a farm service that has served one job (small MLPs of its own),
 against a serial process whose cache holds what the same warm-up job left (probes, headers).
 
-`--ceiling` also times, each trial, the like-for-like serial side's units shared out between W
-plain processes at once (bench/parallel_ceiling.py): what this machine itself loses running W
-lowerings at once, which no farm wins back, the bound that sets, and the farm's ratio over it.
+`--ceiling` also times, each trial, the like-for-like serial side's units run by W plain processes
+at once from one queue (bench/parallel_ceiling.py): what this machine allows a W-worker farm with
+nothing of its own (their ratio, measured as the farm's), what W lowerings at once cost it (the
+lowering's bound), and the farm's ratio over each.
 
     .venv/bin/python bench/fanout.py [--workers 2] [--isa avx2 --isa x86-64] [--units] [--service] [--ceiling]
                                      [--trials 3]
@@ -102,10 +103,10 @@ def _serial(root: Path, targets: list[str], graphs: list[str], probed: bool,
 
 def _ceiling(root: Path, targets: list[str], graphs: list[str], workers: int,
              warm_up: list[str] | None = None) -> Ceiling:
-    """The serial side's units shared out between W plain processes at once, on one machine's
+    """The serial side's units run by W plain processes at once from one queue, on one machine's
     caches prepared as the like-for-like serial side's (bench/parallel_ceiling.py)."""
     env = _prepared(root, targets, True, warm_up)
-    return run_at_once(root, env, _serial_code, targets, graphs, workers)
+    return run_at_once(root, env, targets, graphs, workers)
 
 
 def _prepared(root: Path, targets: list[str], probed: bool, warm_up: list[str] | None) -> dict[str, str]:
@@ -188,7 +189,7 @@ def main() -> None:
     print(f"{'farm - serial probed':<22}" + "".join(f"{farm[k] - probed[k]:9.1f}" for k in probed)
           + f"{args.workers * farm_s - probed_s:9.1f}")
     _compiler_time("cold", "serial-probed", "farm")
-    ceilings: dict[str, list[float]] = {"cold": [], "served": []}
+    ceilings: dict[str, list[tuple[float, float]]] = {"cold": [], "served": []}
     if args.ceiling:
         _say_ceiling("cold", _ceiling(root / "ceiling", targets, graphs, args.workers), probed_s, probed_timings,
                      probed_s / (args.workers * farm_s), ceilings["cold"])
@@ -227,14 +228,14 @@ def main() -> None:
 
 
 def _say_ceiling(label: str, ceiling: Ceiling, serial_s: float, serial_timings: list[dict], farm_ratio: float,
-                 kept: list[float]) -> None:
-    """The machine's bound beside the farm's like-for-like ratio, both against one serial side."""
+                 kept: list[tuple[float, float]]) -> None:
+    """The machine's own figures beside the farm's like-for-like ratio, all against one serial side."""
     serial_lower_s = lowered_s(serial_timings)
-    bound = ceiling.bound(serial_s, serial_lower_s)
-    kept.append(bound)
-    print(f"this machine's bound for a {len(ceiling.walls)}-worker farm, {label}: "
-          f"{ceiling.line(serial_s, serial_lower_s)}; the farm's like for like, {farm_ratio:.2f}, is "
-          f"{farm_ratio / bound:.2f} of the bound", flush=True)
+    plain, bound = ceiling.plain(serial_s), ceiling.bound(serial_s, serial_lower_s)
+    kept.append((plain, bound))
+    print(f"this machine, {label}: {ceiling.line(serial_s, serial_lower_s)}; the farm's like for like, "
+          f"{farm_ratio:.2f}, is {farm_ratio / plain:.2f} of the plain processes' and {farm_ratio / bound:.2f} of the "
+          f"bound", flush=True)
 
 
 @contextlib.contextmanager
@@ -294,7 +295,7 @@ def _farm(root: Path, graphs: list[str], targets: list[str], workers: int) -> tu
 
 
 def _more_trials(args: argparse.Namespace, root: Path, graphs: list[str], targets: list[str],
-                 first: list[float], first_served: list[float], ceilings: dict[str, list[float]]) -> None:
+                 first: list[float], first_served: list[float], ceilings: dict[str, list[tuple[float, float]]]) -> None:
     """Trials 2..N of the like-for-like ratios (cold; served with --service), each side fresh, in
     turn; every ratio and their median (one run's figure varies by 0.05 or more on 2 cores); with
     --ceiling, the machine's own (bench/parallel_ceiling.py) beside each."""
@@ -326,10 +327,12 @@ def _more_trials(args: argparse.Namespace, root: Path, graphs: list[str], target
         if ratios:
             print(f"like for like {label}, {len(ratios)} trials: {', '.join(f'{r:.2f}' for r in ratios)}; "
                   f"median {statistics.median(ratios):.2f}  (goal >= {goal})")
-        if ratios and ceiling:
-            print(f"  this machine's bound ({args.workers} lowerings at once, bench/parallel_ceiling.py), the same "
-                  f"trials: {', '.join(f'{c:.2f}' for c in ceiling)}; median {statistics.median(ceiling):.2f}; the "
-                  f"farm's ratio over it: {', '.join(f'{r / c:.2f}' for r, c in zip(ratios, ceiling))}")
+        for i, name in enumerate((f"{args.workers} plain processes on one queue", "the lowering's bound")):
+            if ratios and ceiling:
+                own = [c[i] for c in ceiling]
+                print(f"  {name} (bench/parallel_ceiling.py), the same trials: {', '.join(f'{c:.2f}' for c in own)}; "
+                      f"median {statistics.median(own):.2f}; the farm's ratio over it: "
+                      f"{', '.join(f'{r / c:.2f}' for r, c in zip(ratios, own))}")
 
 
 def _warm_up_graphs(root: Path, workers: int) -> list[str]:

@@ -1,21 +1,23 @@
-"""What this machine allows any W-worker farm: the serial side's units shared out between W plain
-processes running at once, with no Ray, no scheduler and no sandbox of the farm's, on one
-machine's caches as the farm's workers share them (one Inductor cache dir, one node dir for the
-precompiled headers and the ISA probes). bench/fanout.py compares the farm with it, in the same
-run, against the same serial side.
+"""What this machine allows any W-worker farm: the serial side's units run by W plain processes at
+once that take them from one queue, largest graph first, each the next as it is free (as the farm's
+workers do), with no Ray, no scheduler and no worker pool of the farm's, on one machine's caches as
+the farm's workers share them (one Inductor cache dir, one node dir for the precompiled headers and
+the ISA probes). bench/fanout.py compares the farm with it, in the same run, against the same
+serial side.
 
-Where W lowerings at once each take longer than one alone (the C++ compiler and Python share the
-cores' caches and memory bandwidth), no scheduler can win that back; where they do not, the farm's
-gap is its own. So:
-- **the bound**: serial / (serial + what the same units' lowering took beyond the serial side's
-  when W ran at once). A W-worker farm with nothing outside its units and a perfect split would
-  reach it; it counts only the lowering's loss, not the other phases' (a few percent of a unit).
-- **the plain processes' own ratio**: serial / (their walls added up), each paying torch's import
-  and a process's first lowering, as a farm's cold workers do and a served one's do not.
+Two figures, each against that serial side:
+- **the plain processes' ratio**, measured as the farm's is: serial / (W × the time until the last
+  of them ended). Each pays torch's import and a process's first lowering, as a farm's cold worker
+  does, and the queue's tail. A cold farm reaches it with nothing of its own beyond them: Ray's
+  daemons, its scheduler and actors, its sandboxes' start.
+- **the lowering's bound**: serial / (serial + what the same units' lowering took beyond the serial
+  side's when W ran at once). Where W lowerings at once each take longer than one alone (the C++
+  compiler and Python share the cores' caches and memory bandwidth), no scheduler wins that back;
+  it counts only the lowering's loss, not the imports, the tail or the serial process's own
+  parallel compiles, so it bounds a served farm best, whose workers import nothing.
 
-The split: by target where the targets share out evenly between the W processes (the zoo's two
-ISAs on W=2: each process builds one ISA's headers, as each farm worker's first unit does),
-otherwise by graph, in turn."""
+Each process plans the whole job into a store of its own (the keys, a second or so) and claims a
+unit by creating its file in a claims dir shared by all (O_EXCL: exactly one process wins each)."""
 from __future__ import annotations
 
 import json
@@ -24,50 +26,65 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 PROJECT = Path(__file__).resolve().parents[1]
+
+QUEUED = """
+import json, os, sys
+from scheduler.jobs import execute, run_units_in
+from scheduler.kept_sandbox import warm_sandbox
+from scheduler.spec import parse_job
+from storage import store_from_uri
+
+def claimed(units, store, events):
+    with warm_sandbox() as sandbox:  # one child for every unit this process takes, as a worker's
+        for i, unit in enumerate(sorted(units, key=lambda u: -u.compile_size)):  # the pools' order
+            try:
+                os.close(os.open(os.path.join(CLAIMS, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue  # another process took it
+            yield from run_units_in(sandbox, [unit], store, events)
+
+job = parse_job({"name": "queued", "graphs": sys.argv[2:], "targets": sys.argv[1].split(",")})
+out = execute(job, store_from_uri(STORE), claimed)
+bad = [r.error for r in out.results if r.status != "compiled"]
+assert not bad, bad
+print("TIMINGS " + json.dumps([dict(r.timings, unit=f"{r.graph.rsplit('/', 1)[-1]} {r.target}") for r in out.results]))
+"""
 
 
 @dataclass(frozen=True)
 class Ceiling:
-    walls: list[float]  # each process's wall seconds, in the order of the split
-    shares: list[str]  # what each process compiled
+    walls: list[float]  # each process's wall seconds, from their common start
+    units: list[int]  # how many units each took
     lower_s: float  # the units' lowering, every process's, added up
 
     def bound(self, serial_s: float, serial_lower_s: float) -> float:
         return serial_s / (serial_s + self.lower_s - serial_lower_s)
 
     def plain(self, serial_s: float) -> float:
-        return serial_s / sum(self.walls)
+        return serial_s / (len(self.walls) * max(self.walls))
 
     def line(self, serial_s: float, serial_lower_s: float) -> str:
         w = len(self.walls)
-        return (f"at most {self.bound(serial_s, serial_lower_s):.2f}: the same units lowered in {self.lower_s:.1f} "
-                f"core-s by {w} plain processes at once against {serial_lower_s:.1f} one at a time "
-                f"({(self.lower_s / serial_lower_s - 1) * 100:+.0f} %; {'; '.join(self.shares)}); those processes "
-                f"themselves made {self.plain(serial_s):.2f} ({' + '.join(f'{x:.1f}' for x in self.walls)} s, "
-                f"each importing torch)")
+        return (f"{w} plain processes on one queue made {self.plain(serial_s):.2f} as the farm is measured "
+                f"({' and '.join(f'{x:.1f} s' for x in self.walls)}, {' and '.join(map(str, self.units))} units, "
+                f"each importing torch); their lowering took {self.lower_s:.1f} core-s against {serial_lower_s:.1f} "
+                f"one at a time ({(self.lower_s / serial_lower_s - 1) * 100:+.0f} %): bound "
+                f"{self.bound(serial_s, serial_lower_s):.2f}")
 
 
-def shares(targets: list[str], graphs: list[str], workers: int) -> list[tuple[list[str], list[str]]]:
-    """(targets, graphs) for each of the W processes."""
-    if len(targets) % workers == 0:
-        per = len(targets) // workers
-        return [(targets[i * per:(i + 1) * per], graphs) for i in range(workers)]
-    return [(targets, graphs[i::workers]) for i in range(workers) if graphs[i::workers]]
-
-
-def run_at_once(root: Path, env: dict[str, str], code_for_store: Callable[[str], str], targets: list[str],
-                graphs: list[str], workers: int) -> Ceiling:
+def run_at_once(root: Path, env: dict[str, str], targets: list[str], graphs: list[str], workers: int) -> Ceiling:
     """The W processes started together in `env` (its Inductor cache and node dirs already made as
-    the serial side's are: probed, warmed up), each into a store of its own, each printing its
-    units' timings as the serial side does (TIMINGS and a JSON list)."""
-    split = shares(targets, graphs, workers)
+    the serial side's are: probed, warmed up), each into a store of its own, each printing the
+    timings of the units it took as the serial side does (TIMINGS and a JSON list)."""
+    claims = root / "claims"
+    claims.mkdir(parents=True)
     began = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", code_for_store(str(root / f"store-{i}")), ",".join(t), *g],
+    procs = [subprocess.Popen([sys.executable, "-c", QUEUED.replace("STORE", repr(str(root / f"store-{i}")))
+                               .replace("CLAIMS", repr(str(claims))), ",".join(targets), *graphs],
                               env=env, cwd=PROJECT, stdout=subprocess.PIPE, text=True)
-             for i, (t, g) in enumerate(split)]
+             for i in range(workers)]
     walls: dict[int, float] = {}
     outs: dict[int, str] = {}
     while len(walls) < len(procs):  # (each prints one line at its end: no pipe fills meanwhile)
@@ -75,11 +92,13 @@ def run_at_once(root: Path, env: dict[str, str], code_for_store: Callable[[str],
             if i not in walls and p.poll() is not None:
                 walls[i], outs[i] = time.perf_counter() - began, p.stdout.read()
                 if p.returncode != 0 or "TIMINGS " not in outs[i]:
-                    raise SystemExit(f"a process of the parallel ceiling failed ({p.returncode}): {split[i]}")
+                    raise SystemExit(f"a process of the parallel ceiling failed ({p.returncode})")
         time.sleep(0.05)
-    lower = sum(lowered_s(printed_timings(out)) for out in outs.values())
-    return Ceiling([walls[i] for i in range(len(procs))], [f"{', '.join(t)} x {len(g)} graphs" for t, g in split],
-                   lower)
+    taken = [printed_timings(outs[i]) for i in range(len(procs))]
+    if sum(map(len, taken)) != len(targets) * len(graphs):
+        raise SystemExit(f"the parallel ceiling's processes ran {sum(map(len, taken))} units, not "
+                         f"{len(targets) * len(graphs)}")
+    return Ceiling([walls[i] for i in range(len(procs))], [len(t) for t in taken], sum(map(lowered_s, taken)))
 
 
 def printed_timings(stdout: str) -> list[dict]:
