@@ -77,7 +77,12 @@ class Ceiling:
 def run_at_once(root: Path, env: dict[str, str], targets: list[str], graphs: list[str], workers: int) -> Ceiling:
     """The W processes started together in `env` (its Inductor cache and node dirs already made as
     the serial side's are: probed, warmed up), each into a store of its own, each printing the
-    timings of the units it took as the serial side does (TIMINGS and a JSON list)."""
+    timings of the units it took as the serial side does (TIMINGS and a JSON list). Each gets the
+    OpenMP threads Ray gives the farm's 1-CPU workers (OMP_NUM_THREADS=1): with the machine's
+    default (every core) the units' checks and benchmarks, run beside the other process's g++,
+    took 1-3 s each where the farm's took 0.1 (2026-12-07), a cost that is the bench's, not the
+    machine's."""
+    env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS") or "1"}
     claims = root / "claims"
     claims.mkdir(parents=True)
     began = time.perf_counter()

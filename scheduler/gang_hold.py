@@ -26,6 +26,7 @@ class GangHolds:
         with self._lock:
             self._held += cpus
             self._held_slots.update(slots)
+        self._wake.set()  # workers over what is left leave now, not at the pool's next timed round
         try:
             yield
         finally:
@@ -33,6 +34,7 @@ class GangHolds:
                 self._held -= cpus
                 self._held_slots.subtract(slots)
                 self._held_slots = +self._held_slots  # (classes lent no more drop out)
+            self._wake.set()  # those that left start again
 
     def _capacity(self) -> int:
         offered = int(self._offered.get("CPU", 1))

@@ -44,6 +44,7 @@ from workers.unit import Unit, UnitLimits, UnitResult
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # how often results are awaited while a worker is free for new units
+ROUND_S = 1.0  # how often a round with nothing new assigns, and asks the cluster what it offers
 
 
 @dataclass(eq=False)  # a slot is itself: two idle ones must never compare equal (list.remove)
@@ -101,6 +102,7 @@ class SharedPool(BurstWorkers, GangHolds):
         self._held_slots: collections.Counter[str] = collections.Counter()  # device class → its slots lent to gangs
         self._lent: list[str] = []  # classes of workers that left for a gang: started again, warm, after it
         self._offered: dict[str, float] = cluster.offered()
+        self._asked = time.monotonic()  # when `_offered` was asked
         self._failed_starts: collections.Counter[str] = collections.Counter()
         self._next_index = 0
         self._burst_after: dict[str, float] = {}  # class -> when a burst worker may be tried again
@@ -109,7 +111,7 @@ class SharedPool(BurstWorkers, GangHolds):
         self._cancelled: set[str] = set()  # jobs cancelled, even before their units came
         self.gang_ranks = WarmRanks(config.idle_s)  # gangs' ranks, kept warm (scheduler/gang_warm.py)
         self._on_start = on_start or (lambda job, unit, priority, wait_s: None)
-        self._wake = threading.Event()  # set when units are queued
+        self._wake = threading.Event()  # set when units are queued, a job is cancelled, a gang holds or lets go
         self._thread = threading.Thread(target=self._loop, name="farm shared pool", daemon=True)
         self._thread.start()
 
@@ -215,6 +217,7 @@ class SharedPool(BurstWorkers, GangHolds):
                     self._unit_ended(p)
                     self._report(p, _cancelled(p.unit, why, running=True))
                     ended += 1
+            self._wake.set()  # the restarted workers' starts, awaited from the next round
             return ended
 
     def load(self) -> dict[str, Any]:
@@ -316,9 +319,10 @@ class SharedPool(BurstWorkers, GangHolds):
                 self.jobs[p.job].queued -= 1
                 self._report(p, _failed(p.unit, why, retryable=True))
 
-    def _assign(self) -> None:
+    def _assign(self, ask_cluster: bool = True) -> None:
         now = time.monotonic()
-        self._offered = self.cluster.offered()  # once a round: what the cluster offers now
+        if ask_cluster:  # what the cluster offers now: as units come in, else at most once a ROUND_S
+            self._offered, self._asked = self.cluster.offered(), now
         self._unofferable()
         capacity = self._capacity()
         workers = [s for s in self.slots if not s.burst]
@@ -363,14 +367,27 @@ class SharedPool(BurstWorkers, GangHolds):
         return job.priority if job is not None else None
 
     def _loop(self) -> None:
+        """Rounds of: assign, wait for a result (briefly while a worker is free: a new job's units
+        go out at once), collect. A round assigns only when something changed (a result or a
+        start came back; units, a cancel or a gang's hold came in: `_wake`) or ROUND_S passed
+        (idle workers rest and retire, a node joined): a worker free at a job's end turned the
+        loop 20 times a second, each asking the cluster's GCS what it offers, on the 2 cores the
+        last unit compiled on."""
+        ready: list = []
+        assigned = -ROUND_S
         while True:
+            woken = self._wake.is_set()
+            self._wake.clear()  # before the round reads what it was rung for: a later ring is the next round's
             with self._lock:
                 if self._stopping:
                     return
-                try:
-                    self._assign()
-                except Exception:  # a bug here must not stop every job's dispatcher: log and go on
-                    log.exception("farm shared pool: assigning units failed")
+                now = time.monotonic()
+                if ready or woken or now - assigned >= ROUND_S:
+                    try:
+                        self._assign(ask_cluster=woken or now - self._asked >= ROUND_S)
+                    except Exception:  # a bug here must not stop every job's dispatcher: log and go on
+                        log.exception("farm shared pool: assigning units failed")
+                    assigned = now
                 waiting = [s.ready for s in self.slots if s.ready is not None] + \
                           [s.future for s in self.slots if s.future is not None]
                 idle = any(s.free for s in self.slots)
@@ -382,7 +399,6 @@ class SharedPool(BurstWorkers, GangHolds):
             else:
                 self._wake.wait(POLL_S)
                 ready = []
-            self._wake.clear()
             with self._lock:
                 if self._stopping:
                     return

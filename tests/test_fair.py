@@ -12,7 +12,7 @@ import pytest
 from scheduler.fair import NICENESS, PRIORITY_WEIGHTS, FairShare, UnknownPriority
 from scheduler.jobs import NoEvents
 from scheduler.service_config import ServiceConfig
-from scheduler.shared_pool import SharedPool
+from scheduler.shared_pool import ROUND_S, SharedPool
 from storage import BlobRef
 from tests.test_pool import FakeCluster
 from workers.unit import Target, Unit, UnitLimits, UnitResult
@@ -186,6 +186,28 @@ def test_cancel_drops_queued_units_and_stops_running_ones_each_reported_once():
     assert all(r.status == "skipped" and "cancelled" in r.error for _, r in results)
     assert any("nothing of it was published" in r.error for _, r in results)
     assert cluster.killed, "the running unit's worker was not stopped"
+    pool.stop()
+
+
+def test_a_free_worker_beside_a_busy_one_does_not_have_the_pool_ask_the_cluster_every_round():
+    """A job's last unit runs while the other worker is free: the pool looks for new units every
+    IDLE_POLL_S, but asks what the cluster offers (on Ray, a call to its GCS) only as units come in
+    or once a ROUND_S; a job that comes then still gets the free worker."""
+    cluster = FakeCluster(runs=lambda u, n: "hang" if u.graph == "last" else "ok")
+    pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=60))
+    box: dict = {}
+    _run_job(pool, "long", "batch", [_unit("last")], box)
+    deadline = time.monotonic() + 10
+    while pool.load()["jobs"].get("long", {}).get("running", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _run_job(pool, "short", "batch", [_unit("short")], box).join(10)
+    assert [r.status for _, r in box["short"]] == ["compiled"] and pool.load()["workers"]["idle"] >= 1
+    asked, began = cluster.asked, time.monotonic()
+    time.sleep(2.0)
+    asked, spent = cluster.asked - asked, time.monotonic() - began
+    assert asked <= spent / ROUND_S + 2, f"asked the cluster {asked} times in {spent:.1f} s with nothing new"
+    _run_job(pool, "next", "interactive", [_unit("next")], box).join(10)
+    assert [r.status for _, r in box["next"]] == ["compiled"]
     pool.stop()
 
 

@@ -40,6 +40,7 @@ class FakeCluster:
         self.placed: list[dict] = []  # each started worker's custom resources
         self.names: list[str] = []  # each started worker's name, " (beside)" for a burst worker
         self.lowers: list[bool] = []  # whether each started worker's sandbox warms the lowering as it starts
+        self.asked = 0  # how often the pool asked what the cluster offers (a GCS call on Ray)
         self._ids = itertools.count()
 
     def start(self, name, placement, store_uri, limits, device, beside=False, lowers=False):
@@ -80,6 +81,7 @@ class FakeCluster:
         self.killed.append(actor["id"])
 
     def offered(self):
+        self.asked += 1
         return self.offers
 
     def nodes(self):
