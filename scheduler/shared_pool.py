@@ -371,8 +371,8 @@ class SharedPool(BurstWorkers, GangHolds):
         go out at once), collect. A round assigns only when something changed (a result or a
         start came back; units, a cancel or a gang's hold came in: `_wake`) or ROUND_S passed
         (idle workers rest and retire, a node joined): a worker free at a job's end turned the
-        loop 20 times a second, each asking the cluster's GCS what it offers, on the 2 cores the
-        last unit compiled on."""
+        loop 20 times a second, each round asking the cluster's GCS what it offers, beside the
+        job's last unit."""
         ready: list = []
         assigned = -ROUND_S
         while True:

@@ -192,7 +192,7 @@ def test_cancel_drops_queued_units_and_stops_running_ones_each_reported_once():
 def test_a_free_worker_beside_a_busy_one_does_not_have_the_pool_ask_the_cluster_every_round():
     """A job's last unit runs while the other worker is free: the pool looks for new units every
     IDLE_POLL_S, but asks what the cluster offers (on Ray, a call to its GCS) only as units come in
-    or once a ROUND_S; a job that comes then still gets the free worker."""
+    or once a ROUND_S; a job that comes then still runs."""
     cluster = FakeCluster(runs=lambda u, n: "hang" if u.graph == "last" else "ok")
     pool = SharedPool(cluster, "mem://", ServiceConfig(idle_s=60))
     box: dict = {}
